@@ -1,0 +1,214 @@
+"""The one place that decides between `device_put`, `with_sharding_constraint` and `reshard`.
+
+Outside `jit` (a concrete leaf) placement is a real transfer: one batched
+`jax.device_put` over every leaf that is not already laid out as asked. Inside `jit`
+(a traced leaf) it is a layout constraint chosen by the mesh's axis types:
+
+- Auto axes: `jax.lax.with_sharding_constraint`. (`device_put` inside `jit` would
+  silently give a replicated array on Auto axes, so it is never used for them.)
+- Explicit axes: `jax.device_put` with a `NamedSharding`, which reshards and works with
+  or without the mesh in context (`jax.sharding.reshard` needs it in context).
+- A mixed mesh: the spec is split into its Explicit part and its Auto part; both hold.
+- Manual axes (inside `shard_map`): dropped; each shard is already where it lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+
+from . import _compat, _multihost
+from ._tree import Flat, leaf_error, pathstr
+
+
+def _already_placed(x: Any, sharding: Sharding) -> bool:
+    """Whether a concrete leaf already has exactly this layout (so no copy is needed)."""
+    if not isinstance(x, jax.Array) or not x.committed:
+        return False
+    current = x.sharding
+    if current == sharding:
+        return True
+    if isinstance(sharding, NamedSharding):
+        if not isinstance(current, NamedSharding):
+            return False
+        if tuple(current.mesh.axis_types) != tuple(sharding.mesh.axis_types):
+            return False
+    if (sharding.memory_kind or "device") != (current.memory_kind or "device"):
+        return False
+    return current.is_equivalent_to(sharding, x.ndim)
+
+
+def _keep_axes(spec: PartitionSpec, keep: set[str], *, unconstrained: bool) -> PartitionSpec:
+    entries = []
+    for entry in spec:
+        if entry is PartitionSpec.UNCONSTRAINED:
+            entries.append(entry if unconstrained else None)
+            continue
+        names = entry if isinstance(entry, tuple) else (() if entry is None else (entry,))
+        kept = tuple(n for n in names if n in keep)
+        entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    return PartitionSpec(*entries)
+
+
+def constrain(x: Any, sharding: Sharding) -> Any:
+    """Constrains a traced leaf to `sharding`, by the mesh's axis types."""
+    if not isinstance(sharding, NamedSharding):
+        return jax.lax.with_sharding_constraint(x, sharding)
+    mesh, types = sharding.mesh, _compat.axis_type_map(sharding.mesh)
+    context = _compat.context_abstract_mesh()
+    manual = {n for n, t in types.items() if t == AxisType.Manual}
+    if context is not None:
+        context_types = _compat.axis_type_map(context)
+        manual |= {n for n, t in context_types.items() if t == AxisType.Manual}
+        if manual:  # inside shard_map: constrain on the mesh JAX has in context
+            mesh, types = context, context_types
+    explicit = {n for n, t in types.items() if t == AxisType.Explicit and n not in manual}
+    auto = {n for n, t in types.items() if t == AxisType.Auto and n not in manual}
+    if explicit:
+        spec = _keep_axes(sharding.spec, explicit, unconstrained=False)
+        x = jax.device_put(x, NamedSharding(mesh, spec))
+    if auto:
+        spec = _keep_axes(sharding.spec, auto, unconstrained=True)
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    if sharding.memory_kind is not None:
+        x = jax.device_put(x, _compat.memory_space(sharding.memory_kind))
+    return x
+
+
+def _device_count(sharding: Sharding) -> int:
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh.size
+    return len(sharding.device_set)
+
+
+def _platform(sharding: Sharding) -> str | None:
+    if isinstance(sharding, NamedSharding):
+        return _compat.mesh_platform(sharding.mesh)
+    return next(iter(sharding.device_set)).platform
+
+
+def check_traced_moves(verb: str, flat: Flat, shardings: dict[int, Sharding]) -> None:
+    """Raises for traced leaves asked to move to another device set or backend.
+
+    Inside `jit` every array lives on one device set; JAX cannot move one elsewhere.
+    The device set of a traced leaf is known when its abstract value carries a mesh
+    (or a mesh is set); where it is not known, JAX raises at compile time instead.
+    """
+    rows = []
+    for i, sharding in shardings.items():
+        x = flat.leaves[i]
+        if not _compat.is_tracer(x):
+            continue
+        traced = _compat.traced_sharding(x)
+        source = traced.mesh if traced is not None and not traced.mesh.empty else None
+        source = source or _compat.context_abstract_mesh()
+        if source is None:
+            continue
+        count, platform = _device_count(sharding), _platform(sharding)
+        source_platform = _compat.mesh_platform(source)
+        if count != source.size or (platform and source_platform and platform != source_platform):
+            where = f"{source.size} {source_platform or ''} device(s)".replace("  ", " ")
+            to = f"{count} {platform or ''} device(s)".replace("  ", " ")
+            rows.append((pathstr(flat.paths[i]), f"lives on {where}", f"asked for {to}"))
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` cannot move these traced leaves to another device set inside `jit`:",
+                rows,
+                "Inside `jit` every array stays on the computation's devices. Move the data "
+                "outside `jit` first, with `eqxshard.filter_put` or `eqxshard.filter_shard`, "
+                "and pass the moved arrays in.",
+            )
+        )
+
+
+def place(
+    verb: str,
+    flat: Flat,
+    shardings: dict[int, Sharding],
+    *,
+    process_local: bool = False,
+    check_consistent: bool = True,
+) -> dict[int, Any]:
+    """Places every array leaf of `flat` that has a sharding; returns the new leaves."""
+    check_traced_moves(verb, flat, shardings)
+    traced = {i: s for i, s in shardings.items() if _needs_constraint(flat.leaves[i], s)}
+    concrete = {
+        i: s
+        for i, s in shardings.items()
+        if i not in traced and not _already_placed(flat.leaves[i], s)
+    }
+    if process_local:
+        _check_process_local(verb, flat, shardings, traced)
+    out: dict[int, Any] = {}
+    if process_local:
+        _multihost.check_local_shapes(
+            verb, [flat.paths[i] for i in concrete], [flat.leaves[i] for i in concrete]
+        )
+        for i, sharding in concrete.items():
+            out[i] = _multihost.from_process_local(flat.leaves[i], sharding)
+    else:
+        out.update(_put_concrete(verb, flat, concrete, check_consistent=check_consistent))
+    for i, sharding in traced.items():
+        out[i] = constrain(out.get(i, flat.leaves[i]), sharding)
+    # A concrete leaf placed while a `jit` is being traced comes back traced: constrain it
+    # too, as `device_put` alone is an identity on Auto axes inside `jit`.
+    for i in concrete:
+        if _compat.is_tracer(out[i]):
+            out[i] = constrain(out[i], concrete[i])
+    return out
+
+
+def to_memory_kind(x: Any, memory_kind: str) -> Any:
+    """Moves a traced leaf to another memory kind, keeping its layout."""
+    return jax.device_put(x, _compat.memory_space(memory_kind))
+
+
+def _needs_constraint(x: Any, sharding: Sharding) -> bool:
+    if _compat.is_tracer(x):
+        return True
+    return isinstance(sharding, NamedSharding) and isinstance(
+        sharding.mesh, jax.sharding.AbstractMesh
+    )
+
+
+def _put_concrete(
+    verb: str, flat: Flat, shardings: dict[int, Sharding], *, check_consistent: bool
+) -> dict[int, Any]:
+    """One batched `device_put`; host data bound for other processes goes through NumPy."""
+    to_global = [i for i, s in shardings.items() if not s.is_fully_addressable]
+    local = [i for i in shardings if i not in set(to_global)]
+    out: dict[int, Any] = {}
+    if to_global:
+        host = [_multihost.to_host(flat.leaves[i]) for i in to_global]
+        if check_consistent and jax.process_count() > 1:
+            _multihost.check_identical(verb, [flat.paths[i] for i in to_global], host)
+        for i, data in zip(to_global, host, strict=True):
+            out[i] = _multihost.from_host(data, flat.leaves[i], shardings[i])
+    if local:
+        moved = jax.device_put([flat.leaves[i] for i in local], [shardings[i] for i in local])
+        out.update(zip(local, moved, strict=True))
+    return out
+
+
+def _check_process_local(
+    verb: str, flat: Flat, shardings: dict[int, Sharding], traced: dict[int, Sharding]
+) -> None:
+    rows = []
+    for i, sharding in shardings.items():
+        if i in traced:
+            rows.append((pathstr(flat.paths[i]), "is traced (inside `jit`)"))
+        elif not isinstance(sharding, NamedSharding):
+            rows.append((pathstr(flat.paths[i]), f"target is a {type(sharding).__name__}"))
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` with `process_local=True` needs a mesh target (a `Mesh` with a spec, "
+                "or a `NamedSharding`) and concrete data, outside `jit`; got:",
+                rows,
+                "Call it outside `jit` with `target=mesh` and a spec such as P('data'), so that "
+                "each process's local part becomes one slice of a global array.",
+            )
+        )

@@ -1,0 +1,161 @@
+"""`filter_put`: move array leaves to a device, a backend, a sharding or a memory kind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
+from jaxtyping import PyTree
+
+from . import _compat, _place, _resolve
+from ._tree import Flat, leaf_error, pathstr
+
+
+def _backend_sharding(name: str) -> Sharding:
+    try:
+        devices = jax.devices(name)
+    except RuntimeError:
+        devices = []
+    if not devices:
+        known = sorted({d.platform for d in jax.devices()} | {jax.default_backend()})
+        raise ValueError(
+            f"`filter_put` got the backend {name!r}, which this process does not have. "
+            f"Backends here: {known}. Pass one of them, a `jax.Device` or a `Sharding`."
+        )
+    return SingleDeviceSharding(devices[0])
+
+
+def _memory_kinds(sharding: Sharding) -> set[str]:
+    if isinstance(sharding, NamedSharding) and isinstance(
+        sharding.mesh, jax.sharding.AbstractMesh
+    ):
+        return set()
+    device = next(iter(sharding.device_set))
+    return {m.kind for m in device.addressable_memories()}
+
+
+def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = None) -> PyTree:
+    """Moves (and commits) every array leaf of `tree` to a device, a backend, a sharding
+    and/or a memory kind.
+
+    With only `memory_kind`, each leaf keeps its layout and changes memory: offload with
+    `filter_put(state, memory_kind="pinned_host")`, bring back with
+    `filter_put(state, memory_kind="device")`. Outside `jax.jit` this is one batched
+    `jax.device_put`. Inside `jax.jit`, memory kinds and layouts on the computation's own
+    devices work; moving a traced leaf to a device or backend does not (JAX cannot), and
+    raises. Non-array leaves are returned unchanged.
+
+    **Arguments:**
+
+    - `tree`: any PyTree.
+    - `target`: where the array leaves go. One of:
+        - a `jax.Device`;
+        - a backend name such as `"cpu"` or `"gpu"`: its first device;
+        - a `jax.sharding.Sharding`;
+        - a `jax.sharding.Mesh`: replicated over it;
+        - `None` (default): where each leaf is now (only with `memory_kind`);
+        - a PyTree whose structure is a prefix of `tree` with any of the above at its
+            leaves, `None` leaving that subtree alone.
+    - `memory_kind`: a memory kind of the target devices, such as `"device"`,
+        `"pinned_host"` or `"unpinned_host"`; `None` keeps the target's default.
+
+    **Returns:**
+
+    A PyTree with the structure of `tree`.
+
+    **Raises:**
+
+    - `TypeError`: if neither `target` nor `memory_kind` is given, or `target` is of the
+        wrong type.
+    - `ValueError`: naming every failing leaf, for a backend this process lacks, a memory
+        kind the target devices lack, a prefix tree that does not match `tree`, or a
+        traced leaf asked to move to another device or backend inside `jit` (do the move
+        outside `jit`).
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import eqxshard
+
+        state = {"w": jnp.ones((4, 4)), "step": 3}
+        offloaded = eqxshard.filter_put(state, memory_kind="pinned_host")
+        back = eqxshard.filter_put(offloaded, memory_kind="device")
+        on_cpu = eqxshard.filter_put(state, "cpu")
+        ```
+    """
+    if target is None and memory_kind is None:
+        raise TypeError(
+            "`filter_put` needs a `target` (a device, a backend, a sharding or a mesh) or a "
+            "`memory_kind`; it was given neither."
+        )
+    if memory_kind is not None and not isinstance(memory_kind, str):
+        raise TypeError(f"`memory_kind` must be a string, got {type(memory_kind).__name__}.")
+    flat = Flat(tree)
+    if not any(flat.is_array):
+        return tree
+    if target is None:
+        shardings = {i: _current_sharding(flat.leaves[i]) for i in flat.array_indices}
+    else:
+        shardings = _resolve.resolve(
+            "filter_put", flat, target, _resolve.UNSET, resolve_str=_backend_sharding
+        )
+        _check_traced_targets(flat, shardings)
+    if memory_kind is not None:
+        _check_memory_kind(flat, shardings, memory_kind)
+        shardings = {
+            i: s.with_memory_kind(memory_kind) if s is not None else s
+            for i, s in shardings.items()
+        }
+    placed = _place.place("filter_put", flat, {i: s for i, s in shardings.items() if s})
+    if memory_kind is not None:  # traced leaves with no known layout: JAX keeps it
+        for i, s in shardings.items():
+            if s is None:
+                placed[i] = _place.to_memory_kind(flat.leaves[i], memory_kind)
+    return flat.rebuild(placed)
+
+
+def _current_sharding(x: Any) -> Sharding | None:
+    """The layout a leaf has now: `None` for a traced leaf (JAX keeps it in place)."""
+    if _compat.is_tracer(x):
+        return None
+    if isinstance(x, jax.Array):
+        return x.sharding
+    return SingleDeviceSharding(jax.devices()[0])
+
+
+def _check_traced_targets(flat: Flat, shardings: dict[int, Sharding]) -> None:
+    rows = [
+        (pathstr(flat.paths[i]), f"asked for {s}")
+        for i, s in shardings.items()
+        if _compat.is_tracer(flat.leaves[i]) and isinstance(s, SingleDeviceSharding)
+    ]
+    if rows:
+        raise ValueError(
+            leaf_error(
+                "`filter_put` cannot move these traced leaves to a device inside `jit`:",
+                rows,
+                "Inside `jit` arrays stay on the computation's devices. Call `filter_put` "
+                "outside `jit` (e.g. before calling the jitted function), or use "
+                "`filter_shard` to lay leaves out over the computation's mesh.",
+            )
+        )
+
+
+def _check_memory_kind(flat: Flat, shardings: dict[int, Any], memory_kind: str) -> None:
+    rows = []
+    for i, s in shardings.items():
+        kinds = _memory_kinds(s) if s is not None else set()
+        if kinds and memory_kind not in kinds:
+            rows.append((pathstr(flat.paths[i]), f"target devices have {sorted(kinds)}"))
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`filter_put` got memory_kind={memory_kind!r}, which these leaves' target "
+                "devices do not have:",
+                rows,
+                "Pass one of the memory kinds listed.",
+            )
+        )

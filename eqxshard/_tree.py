@@ -1,0 +1,96 @@
+"""PyTree plumbing shared by the verbs: leaf paths, prefix trees and error tables."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+
+Path = tuple[Any, ...]
+
+
+def pathstr(path: Path) -> str:
+    """A leaf path as users read it (`.layers[0].weight`); the whole tree is `<root>`."""
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+class Flat:
+    """A PyTree flattened once: every leaf with its path, and which leaves are arrays.
+
+    This is `eqx.partition(tree, eqx.is_array)` and `eqx.combine` in one pass, keeping
+    the leaf paths that error messages need. Non-array leaves are kept as the very same
+    objects and put back untouched.
+    """
+
+    def __init__(self, tree: Any):
+        with_path, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
+        self.paths: list[Path] = [p for p, _ in with_path]
+        self.leaves: list[Any] = [x for _, x in with_path]
+        self.is_array: list[bool] = [eqx.is_array(x) for x in self.leaves]
+
+    @property
+    def array_indices(self) -> list[int]:
+        return [i for i, a in enumerate(self.is_array) if a]
+
+    def rebuild(self, replaced: dict[int, Any]) -> Any:
+        leaves = [replaced.get(i, x) for i, x in enumerate(self.leaves)]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+
+def broadcast_prefix(
+    prefix: Any,
+    tree: Any,
+    *,
+    is_leaf: Callable[[Any], bool],
+    argname: str,
+    verb: str,
+) -> tuple[list[Any], list[Path]]:
+    """Gives each leaf of `tree` the leaf of `prefix` above it.
+
+    `prefix` is a PyTree whose structure is a prefix of `tree`'s; its leaves are those
+    for which `is_leaf` holds (`None` included). Returns the per-leaf values of `prefix`
+    in `tree`'s flattening order, and the paths of prefix leaves that sit exactly on one
+    leaf of `tree` (used to report values given for non-array leaves).
+    """
+    pieces: list[tuple[Any, int]] = []
+    on_leaf: list[Path] = []
+
+    def visit(path: Path, value: Any, subtree: Any) -> None:
+        leaves = jax.tree_util.tree_leaves(subtree)
+        pieces.append((value, len(leaves)))
+        if len(leaves) == 1 and leaves[0] is subtree:
+            on_leaf.append(path)
+
+    try:
+        jax.tree_util.tree_map_with_path(visit, prefix, tree, is_leaf=is_leaf)
+    except ValueError as e:
+        detail = str(e).replace("tree_map_with_path tree", f"`{argname}`")
+        raise ValueError(
+            f"`{verb}` got a `{argname}` whose structure is not a prefix of `tree`.\n"
+            f"{detail}\n"
+            f"Give `{argname}` the structure of `tree` (or of a prefix of it), with `None` "
+            "for subtrees to leave alone."
+        ) from None
+    values = [value for value, count in pieces for _ in range(count)]
+    return values, on_leaf
+
+
+def leaf_table(rows: Sequence[tuple[str, ...]]) -> str:
+    """Aligns rows of (path, detail, ...) columns, two spaces apart and indented."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def leaf_error(header: str, rows: Sequence[tuple[str, ...]], fix: str) -> str:
+    """An error message: what went wrong, every failing leaf, and how to fix it."""
+    return f"{header}\n{leaf_table(rows)}\n{fix}"
+
+
+def shape_str(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
