@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
 Tracer = jax.core.Tracer
 
@@ -94,6 +94,22 @@ def mesh_platform(mesh: Mesh | AbstractMesh) -> str | None:
     device = getattr(mesh, "abstract_device", None)
     platform = getattr(device, "platform", None)  # jax >= 0.8; older ones do not say
     return platform if isinstance(platform, str) else None
+
+
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+
+
+def reshard_explicit(x: Any, sharding: NamedSharding) -> Any:
+    """Reshards a traced leaf over Explicit mesh axes.
+
+    jax >= 0.8: `device_put` with a `NamedSharding` does it inside `jit`, with or without
+    the mesh in context (`reshard` needs the mesh in context for inputs not yet on it).
+    jax 0.7: `device_put` inside `jit` is an identity there, so `reshard` is used; for an
+    input not yet on the mesh JAX then asks for `jax.set_mesh(mesh)` around the call.
+    """
+    if _JAX_VERSION >= (0, 8):
+        return jax.device_put(x, sharding)
+    return jax.sharding.reshard(x, sharding)
 
 
 def memory_space(memory_kind: str) -> Any:

@@ -62,7 +62,9 @@ def filter_get(tree: PyTree) -> PyTree:
             )
         )
     keys = [i for i in arrays if _compat.is_prng_key(flat.leaves[i])]
-    values = {i: jax.random.key_data(flat.leaves[i]) if i in keys else flat.leaves[i] for i in arrays}
+    values = {
+        i: jax.random.key_data(flat.leaves[i]) if i in keys else flat.leaves[i] for i in arrays
+    }
     remote = [i for i in arrays if not _addressable(values[i])]
     local = [i for i in arrays if i not in set(remote)]
     out: dict[int, Any] = {}

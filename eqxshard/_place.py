@@ -6,8 +6,8 @@ Outside `jit` (a concrete leaf) placement is a real transfer: one batched
 
 - Auto axes: `jax.lax.with_sharding_constraint`. (`device_put` inside `jit` would
   silently give a replicated array on Auto axes, so it is never used for them.)
-- Explicit axes: `jax.device_put` with a `NamedSharding`, which reshards and works with
-  or without the mesh in context (`jax.sharding.reshard` needs it in context).
+- Explicit axes: a reshard (`_compat.reshard_explicit`: `jax.device_put` with a
+  `NamedSharding`, which works with or without the mesh in context, where JAX allows).
 - A mixed mesh: the spec is split into its Explicit part and its Auto part; both hold.
 - Manual axes (inside `shard_map`): dropped; each shard is already where it lives.
 """
@@ -68,7 +68,7 @@ def constrain(x: Any, sharding: Sharding) -> Any:
     auto = {n for n, t in types.items() if t == AxisType.Auto and n not in manual}
     if explicit:
         spec = _keep_axes(sharding.spec, explicit, unconstrained=False)
-        x = jax.device_put(x, NamedSharding(mesh, spec))
+        x = _compat.reshard_explicit(x, NamedSharding(mesh, spec))
     if auto:
         spec = _keep_axes(sharding.spec, auto, unconstrained=True)
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

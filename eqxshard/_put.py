@@ -27,9 +27,7 @@ def _backend_sharding(name: str) -> Sharding:
 
 
 def _memory_kinds(sharding: Sharding) -> set[str]:
-    if isinstance(sharding, NamedSharding) and isinstance(
-        sharding.mesh, jax.sharding.AbstractMesh
-    ):
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh):
         return set()
     device = next(iter(sharding.device_set))
     return {m.kind for m in device.addressable_memories()}
@@ -106,8 +104,7 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
     if memory_kind is not None:
         _check_memory_kind(flat, shardings, memory_kind)
         shardings = {
-            i: s.with_memory_kind(memory_kind) if s is not None else s
-            for i, s in shardings.items()
+            i: s.with_memory_kind(memory_kind) if s is not None else s for i, s in shardings.items()
         }
     placed = _place.place("filter_put", flat, {i: s for i, s in shardings.items() if s})
     if memory_kind is not None:  # traced leaves with no known layout: JAX keeps it

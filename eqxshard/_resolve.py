@@ -15,7 +15,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from . import _compat
-from ._tree import Flat, Path, broadcast_prefix, leaf_error, pathstr, shape_str
+from ._tree import Flat, broadcast_prefix, leaf_error, pathstr, shape_str
 
 # Sentinels for "the argument was not given" (as opposed to `None` inside a prefix
 # tree, which means "leave this subtree alone").

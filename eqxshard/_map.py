@@ -1,0 +1,444 @@
+"""`filter_map`: `eqx.filter_vmap` run in chunks inside one `lax.scan`."""
+
+from __future__ import annotations
+
+import functools as ft
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import AxisType
+
+from ._compat import is_tracer, traced_sharding
+
+_Axis = int | None
+IF_ARRAY_0 = eqx.if_array(0)  # the default of `in_axes`/`out_axes`, as in `filter_vmap`
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def check_batch_size(batch_size: Any, name: str, *, allow_none: bool = True) -> None:
+    """Raises if `batch_size` is not `None` (when allowed) or a positive int."""
+    if batch_size is None and allow_none:
+        return
+    is_int = isinstance(batch_size, int | np.integer) and not isinstance(batch_size, bool)
+    if not is_int:
+        allowed = "`None` or a positive int" if allow_none else "a positive int"
+        raise TypeError(
+            f"`{name}(batch_size=...)` must be {allowed}, got {batch_size!r} of type "
+            f"{type(batch_size).__name__}. Pass the number of rows per chunk, e.g. "
+            "`batch_size=32`."
+        )
+    if int(batch_size) <= 0:  # pyright: ignore[reportArgumentType]
+        raise ValueError(
+            f"`{name}(batch_size=...)` must be >= 1, got {batch_size}. Pass the number of "
+            "rows per chunk, e.g. `batch_size=32`"
+            + (", or `None` for one row at a time." if allow_none else ".")
+        )
+
+
+def resolve_axes(tree: Any, axes: Any, what: str, name: str) -> list[_Axis]:
+    """One axis (`int` or `None`) per leaf of `tree`, in `jtu.tree_leaves` order.
+
+    `axes` is a prefix PyTree of `tree` with `None`, ints or callables `leaf -> int | None`.
+    """
+    resolved: list[Any] = []
+
+    def visit(spec: Any, subtree: Any) -> None:
+        for leaf in jtu.tree_leaves(subtree):
+            resolved.append(spec(leaf) if callable(spec) else spec)
+
+    try:
+        jtu.tree_map(visit, axes, tree, is_leaf=_is_none)
+    except ValueError as e:
+        raise ValueError(
+            f"`{name}({what}=...)` must be a prefix of the {_WHAT[what]}'s PyTree "
+            f"structure, but it is not:\n  {e}\nGive one axis spec per argument, or a "
+            "single spec for all of them."
+        ) from None
+    bad = [a for a in resolved if a is not None and not _is_int(a)]
+    if bad:
+        raise TypeError(
+            f"`{name}({what}=...)` must hold only `None`, ints and callables returning "
+            f"`None` or an int; got {bad!r}."
+        )
+    return [None if a is None else int(a) for a in resolved]
+
+
+_WHAT = {"in_axes": "arguments tuple", "out_axes": "output"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _fmt(paths: list[str], rows: list[str]) -> str:
+    width = max(len(p) for p in paths)
+    return "\n".join(f"  {p.ljust(width)}  {r}" for p, r in zip(paths, rows, strict=True))
+
+
+def check_mapped_leaves(
+    paths: list[str], leaves: list[Any], axes: dict[int, int], name: str
+) -> int:
+    """Checks the mapped leaves (`axes`: leaf index -> axis); returns the common size."""
+    idx = list(axes)
+    not_arrays = [i for i in idx if not hasattr(leaves[i], "shape")]
+    if not_arrays:
+        raise TypeError(
+            f"`{name}` can only map over arrays, but `in_axes` maps these non-array leaves:\n"
+            + _fmt([paths[i] for i in not_arrays], [type(leaves[i]).__name__ for i in not_arrays])
+            + "\nGive them `in_axes=None` (the default `eqx.if_array(0)` does)."
+        )
+    out_of_range = [i for i in idx if not -len(leaves[i].shape) <= axes[i] < len(leaves[i].shape)]
+    if out_of_range:
+        raise ValueError(
+            f"`{name}(in_axes=...)` names an axis these leaves do not have:\n"
+            + _fmt(
+                [paths[i] for i in out_of_range],
+                [f"shape {tuple(leaves[i].shape)}  in_axes {axes[i]}" for i in out_of_range],
+            )
+            + "\nUse an axis in range for each leaf's shape, or `None` to broadcast it."
+        )
+    sizes = {i: leaves[i].shape[axes[i]] for i in idx}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"`{name}` needs every mapped leaf to have the same size along its mapped axis; "
+            "got:\n"
+            + _fmt(
+                [paths[i] for i in idx],
+                [f"shape {tuple(leaves[i].shape)}  axis {axes[i]}  size {sizes[i]}" for i in idx],
+            )
+            + "\nSlice or pad them to one size, or broadcast some with `in_axes=None`."
+        )
+    return next(iter(sizes.values()))
+
+
+def _shard_count(leaf: Any, axis: int, n: int) -> int:
+    """How many pieces the layout of `leaf` cuts its mapped axis into (1 if unknown)."""
+    if n == 0:
+        return 1
+    if is_tracer(leaf):
+        sharding = traced_sharding(leaf)
+        if sharding is None or sharding.mesh.empty:
+            return 1
+        mesh_shape = dict(sharding.mesh.shape)
+        spec = tuple(sharding.spec)
+        entry = spec[axis] if axis < len(spec) else None
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        # Auto axes are not part of the type: assume the axis may be split over all of them.
+        types = dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types, strict=True))
+        auto = [a for a, t in types.items() if t == AxisType.Auto and a not in names]
+        return math.prod(mesh_shape[a] for a in (*names, *auto))
+    if isinstance(leaf, jax.Array):
+        return n // leaf.sharding.shard_shape(leaf.shape)[axis]
+    return 1
+
+
+class _Trace:
+    """What one trace of `fun` returned besides mapped arrays: structure and statics."""
+
+    def __init__(self, treedef: Any, axes: list[_Axis], statics: list[Any]):
+        self.treedef, self.axes, self.statics = treedef, axes, statics
+
+    def same_as(self, other: _Trace) -> bool:
+        if self.treedef != other.treedef or self.axes != other.axes:
+            return False
+        return all(_same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+
+
+def _vmapped_body(
+    fun: Callable,
+    args_def: Any,
+    leaves: list[Any],
+    idx: list[int],
+    out_axes: Any,
+    traces: list[_Trace],
+    name: str,
+) -> Callable:
+    """`vmap` of `fun` over the mapped leaves (at `idx`, mapped axis first)."""
+
+    def call(mapped: list[Any]) -> tuple[list[Any], list[Any]]:
+        full = list(leaves)
+        for i, x in zip(idx, mapped, strict=True):
+            full[i] = x
+        out = fun(*jtu.tree_unflatten(args_def, full))
+        out_paths, out_leaves = (
+            zip(*jtu.tree_flatten_with_path(out)[0], strict=True)
+            if (jtu.tree_leaves(out))
+            else ((), ())
+        )
+        axes = resolve_axes(out, out_axes, "out_axes", name)
+        bad = [
+            i
+            for i, (x, a) in enumerate(zip(out_leaves, axes, strict=True))
+            if a is not None and (not eqx.is_array(x) or not -x.ndim - 1 <= a <= x.ndim)
+        ]
+        if bad:
+            raise ValueError(
+                f"`{name}(out_axes=...)` maps outputs that are not arrays or lack that axis:\n"
+                + _fmt(
+                    ["out" + jtu.keystr(out_paths[i]) for i in bad],
+                    [
+                        f"{type(out_leaves[i]).__name__} {getattr(out_leaves[i], 'shape', '')}  "
+                        f"out_axes {axes[i]}"
+                        for i in bad
+                    ],
+                )
+                + "\nGive non-array outputs `out_axes=None` (the default `eqx.if_array(0)` does)."
+            )
+        statics = [None if eqx.is_array(x) else x for x in out_leaves]
+        traces.append(_Trace(jtu.tree_structure(out), axes, statics))
+        mapped_out = [x for x, a in zip(out_leaves, axes, strict=True) if a is not None]
+        unmapped = [
+            x for x, a in zip(out_leaves, axes, strict=True) if a is None and eqx.is_array(x)
+        ]
+        return mapped_out, unmapped
+
+    return jax.vmap(call, in_axes=(0,), out_axes=(0, None))
+
+
+def _run(
+    fun: Callable,
+    batch_size: int | None,
+    in_axes: Any,
+    out_axes: Any,
+    remat: bool,
+    name: str,
+    args: tuple,
+) -> Any:
+    flat, args_def = jtu.tree_flatten_with_path(args)
+    paths = ["args" + jtu.keystr(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
+    axes = resolve_axes(args, in_axes, "in_axes", name)
+    ax = {i: a for i, a in enumerate(axes) if a is not None}
+    idx = list(ax)
+    if not idx:  # nothing to map over: exactly `filter_vmap`'s behaviour (and its errors)
+        return eqx.filter_vmap(fun, in_axes=in_axes, out_axes=out_axes)(*args)
+    n = check_mapped_leaves(paths, leaves, ax, name)
+    mapped = [jnp.moveaxis(jnp.asarray(leaves[i]), ax[i], 0) for i in idx]
+
+    # Rows of a sharded mapped axis stay on their device: split it into `d` blocks, one per
+    # shard, and take chunk `j` as rows `[j*b, (j+1)*b)` of every block (zero collectives).
+    counts = [_shard_count(leaves[i], ax[i] % leaves[i].ndim, n) for i in idx]
+    d = max([c for c in counts if c >= 1 and n % c == 0], default=1)
+    b = 1 if batch_size is None else max(1, batch_size // d)
+    if batch_size is not None and batch_size % d:
+        warnings.warn(
+            f"`{name}(batch_size={batch_size})`: the mapped axis is split over {d} shards and "
+            f"{batch_size} is not a multiple of {d}, so each chunk has {b} row(s) per shard "
+            f"({b * d} rows). Pass a multiple of {d} to silence this.",
+            stacklevel=3,
+        )
+    m = n // d
+    num_chunks, rem = divmod(m, b)
+    traces: list[_Trace] = []
+    body = _vmapped_body(fun, args_def, leaves, idx, out_axes, traces, name)
+    chunk_body = jax.checkpoint(body, prevent_cse=False) if remat else body
+    rest_body = jax.checkpoint(body) if remat else body
+
+    def blocks(x: Any) -> Any:  # (n, ...) -> (d, m, ...)
+        return x.reshape(d, m, *x.shape[1:])
+
+    if num_chunks == 0:  # n <= one chunk: no loop at all
+        mapped_out, unmapped_out = rest_body(mapped)
+    else:
+        if d == 1:
+            xs = [x[: num_chunks * b].reshape(num_chunks, b, *x.shape[1:]) for x in mapped]
+        else:
+            xs = [
+                blocks(x)[:, : num_chunks * b]
+                .reshape(d, num_chunks, b, *x.shape[1:])
+                .swapaxes(0, 1)
+                for x in mapped
+            ]
+
+        def step(carry: None, chunk: list[Any]) -> tuple[None, Any]:
+            chunk = [c.reshape(d * b, *c.shape[2:]) if d > 1 else c for c in chunk]
+            mapped_out, unmapped_out = chunk_body(chunk)
+            if d > 1:
+                mapped_out = [y.reshape(d, b, *y.shape[1:]) for y in mapped_out]
+            return carry, (mapped_out, unmapped_out)
+
+        _, (ys, unmapped_out) = jax.lax.scan(step, None, xs)
+        unmapped_out = [u[0] for u in unmapped_out]
+        if d == 1:
+            mapped_out = [y.reshape(num_chunks * b, *y.shape[2:]) for y in ys]
+        else:
+            mapped_out = [y.swapaxes(0, 1).reshape(d, num_chunks * b, *y.shape[3:]) for y in ys]
+        if rem:
+            if d == 1:
+                rest = [x[num_chunks * b :] for x in mapped]
+            else:
+                rest = [
+                    blocks(x)[:, num_chunks * b :].reshape(d * rem, *x.shape[1:]) for x in mapped
+                ]
+            rest_out, unmapped_out = rest_body(rest)
+            if d == 1:
+                mapped_out = [
+                    jnp.concatenate([y, r]) for y, r in zip(mapped_out, rest_out, strict=True)
+                ]
+            else:
+                mapped_out = [
+                    jnp.concatenate([y, r.reshape(d, rem, *r.shape[1:])], axis=1)
+                    for y, r in zip(mapped_out, rest_out, strict=True)
+                ]
+        if d > 1:
+            mapped_out = [y.reshape(n, *y.shape[2:]) for y in mapped_out]
+
+    first = traces[0]
+    if not all(first.same_as(t) for t in traces[1:]):
+        raise ValueError(
+            f"`{name}` traced `fun` once for full chunks and once for the last, shorter chunk, "
+            "and its non-array outputs (or output structure) differed between the two. "
+            "Non-array outputs must be the same for every element: return them from outside "
+            "the mapped function, or make them arrays."
+        )
+    mapped_iter, unmapped_iter = iter(mapped_out), iter(unmapped_out)
+    out_leaves = []
+    for a, s in zip(first.axes, first.statics, strict=True):
+        if a is not None:
+            out_leaves.append(jnp.moveaxis(next(mapped_iter), 0, a))
+        elif s is None:
+            out_leaves.append(next(unmapped_iter))
+        else:
+            out_leaves.append(s)
+    return jtu.tree_unflatten(first.treedef, out_leaves)
+
+
+@overload
+def filter_map(
+    fun: None = None,
+    *,
+    batch_size: int | None = None,
+    in_axes: Any = IF_ARRAY_0,
+    out_axes: Any = IF_ARRAY_0,
+    remat: bool = False,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_map(
+    fun: Callable[..., Any],
+    *,
+    batch_size: int | None = None,
+    in_axes: Any = IF_ARRAY_0,
+    out_axes: Any = IF_ARRAY_0,
+    remat: bool = False,
+) -> Callable[..., Any]: ...
+
+
+def filter_map(
+    fun: Callable[..., Any] | None = None,
+    *,
+    batch_size: int | None = None,
+    in_axes: Any = IF_ARRAY_0,
+    out_axes: Any = IF_ARRAY_0,
+    remat: bool = False,
+) -> Any:
+    """Maps `fun` like `eqx.filter_vmap`, but `batch_size` rows at a time inside one
+    `jax.lax.scan`, so the memory of the temporaries is that of one chunk.
+
+    Results equal `eqx.filter_vmap(fun, in_axes=in_axes, out_axes=out_axes)(*args)`.
+    Works eagerly, under `jax.jit`, and under `jax.grad`/`jax.jacfwd`/`jax.jacrev`/`vmap`.
+    Non-array leaves are passed through untouched.
+
+    Full chunks run in the `scan`; the `n % batch_size` rows left over run in one more
+    call of the vmapped `fun` (no padding, so `fun` is traced twice when there is a
+    remainder).
+
+    **Sharded inputs.** When a mapped input is sharded along its mapped axis over `d`
+    devices, each device keeps its own rows: every chunk takes `batch_size // d`
+    consecutive rows from each device's block, so there is no all-gather and the output
+    keeps the input's sharding on the mapped axis. `batch_size` is therefore the number of
+    rows per chunk across the whole mesh; if it is not a multiple of `d` it is rounded
+    down to one (at least `d`), with a warning. The layout is read from the arrays
+    outside `jit` and from the types inside `jit`; inside `jit` on **Auto** mesh axes the
+    layout is not visible, so the mapped axis is assumed split over all Auto axes of the
+    mesh (a transpose of the inputs and outputs when it is not).
+
+    **Arguments:**
+
+    - `fun`: the function to map, called as `fun(*args)` (no keyword arguments). Leave
+        it out to use `filter_map(...)` as a decorator.
+    - `batch_size`: rows per chunk:
+        - `None`: one row at a time (one per device when the mapped axis is sharded);
+        - an int `>= 1`: any mapped size works, including `0`, fewer rows than
+            `batch_size`, and a remainder.
+    - `in_axes`: which axis of each input to map over, as for `eqx.filter_vmap`: a prefix
+        PyTree of the arguments tuple with
+        - an int: map over that axis;
+        - `None`: broadcast (non-arrays must use it);
+        - a callable `leaf -> int | None`, e.g. the default `eqx.if_array(0)`.
+    - `out_axes`: where the mapped axis goes in each output, a prefix PyTree of the
+        output with the same three forms. `None` outputs must not depend on the mapped
+        rows.
+    - `remat`: if `True`, wrap each chunk in `jax.checkpoint`, so the backward pass keeps
+        only the chunk inputs and recomputes the rest: its temporaries are bounded by
+        the chunk too, for about one more forward pass of compute.
+
+    **Returns:**
+
+    The mapped function (or, with `fun` left out, a decorator that makes it).
+
+    **Raises:**
+
+    - `TypeError`: if `batch_size` is not `None` or an int; if `in_axes`/`out_axes` hold
+        something else than `None`, ints and callables; if a non-array leaf is mapped; if
+        keyword arguments are passed to the mapped function.
+    - `ValueError`: if `batch_size <= 0`; if `in_axes`/`out_axes` is not a prefix of the
+        arguments/output; if an axis is out of range, listing every such leaf; if mapped
+        leaves have different sizes, listing every mapped leaf; if `fun`'s non-array
+        outputs differ between the full chunks and the remainder.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqxshard
+
+        model = eqx.nn.MLP(2, 1, 32, 2, key=jax.random.key(0))
+        grid = jnp.stack(jnp.meshgrid(jnp.linspace(-1, 1, 50), jnp.linspace(-1, 1, 50)), -1)
+
+        @eqxshard.filter_map(batch_size=256, in_axes=(None, 0))
+        def evaluate(model, x):
+            return model(x)
+
+        values = evaluate(model, grid.reshape(-1, 2))  # shape (2500, 1)
+        ```
+    """
+    check_batch_size(batch_size, "filter_map")
+    if fun is None:
+        return ft.partial(
+            filter_map, batch_size=batch_size, in_axes=in_axes, out_axes=out_axes, remat=remat
+        )
+    if not callable(fun):
+        raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")
+
+    @ft.wraps(fun)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"a function wrapped by `filter_map` takes positional arguments only, got "
+                f"keyword arguments {sorted(kwargs)}. Pass them positionally (and give them "
+                "`in_axes=None` to broadcast them)."
+            )
+        return _run(fun, batch_size, in_axes, out_axes, remat, "filter_map", args)
+
+    return mapped
