@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 
-Tracer = jax.core.Tracer
+Tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def is_tracer(x: Any) -> bool:
@@ -124,7 +125,7 @@ def memory_space(memory_kind: str) -> Any:
 def is_prng_key(x: Any) -> bool:
     """Whether `x` is a typed PRNG key array (`jax.random.key`), which NumPy cannot hold."""
     dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
 def process_allgather(tree: Any, *, tiled: bool) -> Any:

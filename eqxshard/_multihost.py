@@ -36,7 +36,7 @@ def from_host(data: np.ndarray, like: Any, sharding: Sharding) -> jax.Array:
 
 def _checksum(x: np.ndarray) -> int:
     header = f"{x.dtype.str}{x.shape}".encode()
-    data = np.ascontiguousarray(x).reshape(-1).view(np.uint8)
+    data = np.ascontiguousarray(x).data  # a buffer view: no copy
     return (zlib.crc32(header) << 32) | zlib.crc32(data)
 
 
