@@ -20,6 +20,7 @@ from ._tree import Flat, broadcast_prefix, leaf_error, pathstr, shape_str
 # Sentinels for "the argument was not given" (as opposed to `None` inside a prefix
 # tree, which means "leave this subtree alone").
 UNSET: Any = object()
+_RULE: Any = object()
 
 TARGET_TYPES = (Mesh, AbstractMesh, Sharding, jax.Device, PartitionSpec)
 
@@ -71,12 +72,17 @@ def resolve(
     """The sharding each array leaf must get (leaves to leave alone are absent).
 
     `target` is `UNSET` (the ambient mesh), a target form, or a prefix tree of them;
-    `spec` is `UNSET`, a `PartitionSpec`, a prefix tree of them, or a callable
-    `(path, leaf) -> PartitionSpec | None`.
+    `spec` is `UNSET`, a `PartitionSpec`, a prefix tree of them, a callable
+    `(path, leaf) -> PartitionSpec | None`, or a rule: an object with a method
+    `spec_for(path, leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
+    mesh (sharding rules are built on this).
     """
     targets = per_leaf(flat, target, argname="target", verb=verb, is_leaf=_is_target_leaf)
-    if callable(spec) and not isinstance(spec, (PartitionSpec, eqx.Module)):
-        specs: list[Any] = [UNSET] * len(flat.leaves)
+    rule = None if isinstance(spec, PartitionSpec) else getattr(spec, "spec_for", None)
+    if rule is not None:  # a rule: needs each leaf's mesh, so it is called in the loop below
+        specs: list[Any] = [_RULE] * len(flat.leaves)
+    elif callable(spec) and not isinstance(spec, (PartitionSpec, eqx.Module)):
+        specs = [UNSET] * len(flat.leaves)
         for i in flat.array_indices:
             specs[i] = spec(flat.paths[i], flat.leaves[i])
     else:
@@ -85,33 +91,40 @@ def resolve(
     out: dict[int, Sharding] = {}
     type_errors: list[tuple[str, str]] = []
     no_mesh: list[tuple[str, str]] = []
+    ambient: list[Any] = []  # looked up once, on first use
     for i in flat.array_indices:
         t, s = targets[i], specs[i]
+        path = pathstr(flat.paths[i])
         if t is None or s is None:
             continue
-        if s is not UNSET and not isinstance(s, PartitionSpec):
-            type_errors.append((pathstr(flat.paths[i]), f"spec {s!r} is not a PartitionSpec"))
-            continue
         if isinstance(t, PartitionSpec) and s is not UNSET:
-            type_errors.append(
-                (pathstr(flat.paths[i]), "a PartitionSpec target and a `spec` were both given")
-            )
+            type_errors.append((path, "a PartitionSpec target and a `spec` were both given"))
             continue
+        mesh = None
         if t is UNSET or isinstance(t, PartitionSpec):
-            mesh = _compat.ambient_mesh()
+            if not ambient:
+                ambient.append(_compat.ambient_mesh())
+            mesh = ambient[0]
             if mesh is None:
-                no_mesh.append((pathstr(flat.paths[i]), f"spec {t if t is not UNSET else s}"))
+                no_mesh.append((path, f"spec {t if t is not UNSET else s}"))
                 continue
+        elif isinstance(t, (Mesh, AbstractMesh)):
+            mesh = t
+        if s is _RULE and rule is not None:
+            if mesh is None:
+                type_errors.append((path, f"a rule `spec` was given with target {_short(t)}"))
+                continue
+            s = rule(flat.paths[i], flat.leaves[i], mesh)
+            if s is None:
+                continue
+        if s is not UNSET and not isinstance(s, PartitionSpec):
+            type_errors.append((path, f"spec {s!r} is not a PartitionSpec"))
+        elif mesh is not None:
             spec_i = t if isinstance(t, PartitionSpec) else s
             out[i] = NamedSharding(mesh, PartitionSpec() if spec_i is UNSET else spec_i)
-        elif isinstance(t, (Mesh, AbstractMesh)):
-            out[i] = NamedSharding(t, PartitionSpec() if s is UNSET else s)
         elif s is not UNSET:
             type_errors.append(
-                (
-                    pathstr(flat.paths[i]),
-                    f"a `spec` was given with target {_short(t)}, which already fixes the layout",
-                )
+                (path, f"a `spec` was given with target {_short(t)}, which fixes the layout")
             )
         elif isinstance(t, Sharding):
             out[i] = t
@@ -120,7 +133,7 @@ def resolve(
         elif isinstance(t, str) and resolve_str is not None:
             out[i] = resolve_str(t)
         else:
-            type_errors.append((pathstr(flat.paths[i]), f"target {t!r} of type {type(t).__name__}"))
+            type_errors.append((path, f"target {t!r} of type {type(t).__name__}"))
     if type_errors:
         raise TypeError(
             leaf_error(

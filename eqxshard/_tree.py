@@ -21,14 +21,15 @@ class Flat:
 
     This is `eqx.partition(tree, eqx.is_array)` and `eqx.combine` in one pass, keeping
     the leaf paths that error messages need. Non-array leaves are kept as the very same
-    objects and put back untouched.
+    objects and put back untouched. `is_array` picks the array leaves (plans over abstract
+    trees also count `jax.ShapeDtypeStruct` leaves).
     """
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: Any, is_array: Callable[[Any], bool] = eqx.is_array):
         with_path, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
         self.paths: list[Path] = [p for p, _ in with_path]
         self.leaves: list[Any] = [x for _, x in with_path]
-        self.is_array: list[bool] = [eqx.is_array(x) for x in self.leaves]
+        self.is_array: list[bool] = [is_array(x) for x in self.leaves]
 
     @property
     def array_indices(self) -> list[int]:
