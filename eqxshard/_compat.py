@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 Tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
 
@@ -103,14 +103,33 @@ _JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
 def reshard_explicit(x: Any, sharding: NamedSharding) -> Any:
     """Reshards a traced leaf over Explicit mesh axes.
 
-    jax >= 0.8: `device_put` with a `NamedSharding` does it inside `jit`, with or without
-    the mesh in context (`reshard` needs the mesh in context for inputs not yet on it).
-    jax 0.7: `device_put` inside `jit` is an identity there, so `reshard` is used; for an
-    input not yet on the mesh JAX then asks for `jax.set_mesh(mesh)` around the call.
+    `jax.sharding.reshard` is the one with the right `vmap` rule (the spec applies to each
+    example, not to the batch dim) and transpose; `device_put` with a sharding has neither
+    (on jax >= 0.8 it puts the spec on the batch dim under `vmap` and fails under `grad`
+    on mixed meshes). `reshard` needs the input on the mesh, or the mesh in context: an
+    input not yet on it is first put on it replicated (`device_put` to `P()`, which is
+    right under `vmap` too), so no `jax.set_mesh` is needed.
     """
-    if _JAX_VERSION >= (0, 8):
-        return jax.device_put(x, sharding)
+    target = abstract_mesh_of(sharding.mesh)
+    traced = traced_sharding(x)
+    on_mesh = traced is not None and abstract_mesh_of(traced.mesh) == target
+    if not on_mesh and context_abstract_mesh() != target:
+        x = jax.device_put(x, NamedSharding(sharding.mesh, PartitionSpec()))
     return jax.sharding.reshard(x, sharding)
+
+
+def memory_kinds_in_jit() -> bool:
+    """Whether `device_put` to a memory kind is honoured inside `jit` on this JAX and backend.
+
+    Measured on CPU: jax 0.7.2 silently keeps the array in device memory on Auto meshes and
+    fails in XLA ("Side-effect ops cannot be replicated") on Explicit ones; jax 0.10.2
+    works. Other backends have supported memory kinds inside `jit` for longer.
+    """
+    return _JAX_VERSION >= (0, 8) or jax.default_backend() != "cpu"
+
+
+# The memory kinds `memory_space` can express inside `jit`.
+TRACED_MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
 
 
 def memory_space(memory_kind: str) -> Any:
@@ -122,10 +141,27 @@ def memory_space(memory_kind: str) -> Any:
     raise ValueError(f"unknown memory kind {memory_kind!r}")
 
 
+def traced_memory_space(x: Any) -> Any:
+    """The `jax.memory.Space` a tracer's abstract value is in, or `None` where JAX does not say."""
+    return getattr(getattr(x, "aval", None), "memory_space", None)
+
+
 def is_prng_key(x: Any) -> bool:
     """Whether `x` is a typed PRNG key array (`jax.random.key`), which NumPy cannot hold."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def tracing() -> bool:
+    """Whether a transformation (`jit`, `vmap`, `grad`, ...) is tracing right now.
+
+    Only for what cannot happen while tracing at all, such as a cross-process collective
+    on host data (`process_allgather` refuses to run inside `jit`); placement itself is
+    decided per leaf (`is_tracer`).
+    """
+    from jax._src import core
+
+    return not core.trace_state_clean()
 
 
 def process_allgather(tree: Any, *, tiled: bool) -> Any:
@@ -135,7 +171,64 @@ def process_allgather(tree: Any, *, tiled: bool) -> Any:
 
 
 def allgather_host(values: np.ndarray) -> np.ndarray:
-    """Gathers a small host array from every process: shape `(process_count, *values.shape)`."""
+    """Gathers a small host array from every process: shape `(process_count, *values.shape)`.
+
+    Sent as raw bytes: `process_allgather` would turn 64-bit values into 32-bit ones
+    (without `jax_enable_x64`), silently dropping their high bits. A collective: it
+    cannot run while a transformation traces (see `tracing`).
+    """
     if jax.process_count() == 1:
         return values[None]
-    return np.asarray(process_allgather(values, tiled=False))
+    raw = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
+    gathered = np.ascontiguousarray(process_allgather(raw, tiled=False))
+    return gathered.view(values.dtype).reshape(len(gathered), *values.shape)
+
+
+def global_shape(mesh: Mesh, spec: Any, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The global shape that each process's local part of `local_shape` makes on `mesh`.
+
+    What `jax.make_array_from_process_local_data` infers. Where JAX cannot say (an
+    invalid spec, or a non-uniform layout), the local size is kept: the spec checks
+    or JAX then report the problem.
+    """
+    from jax._src import sharding_impls
+
+    try:
+        inferred = sharding_impls.local_to_global_shape(NamedSharding(mesh, spec), local_shape)
+    except Exception:
+        return tuple(local_shape)
+    return tuple(int(g) if g is not None else d for g, d in zip(inferred, local_shape, strict=True))
+
+
+def shard_map_specs_from_trace(
+    f: Any,
+    *,
+    mesh: Any,
+    in_specs: tuple[PartitionSpec, ...],
+    axis_names: frozenset[str],
+    check_vma: bool,
+) -> Any:
+    """`jax.shard_map` for a function that picks its own `out_specs` while it is traced.
+
+    `f(*args)` returns `(out_specs, outs)`, two lists of the same length: the output
+    structure (and so the flat `out_specs`) is only known once `f` has run. JAX itself
+    matches `out_specs` against the output only after tracing `f` (measured on jax 0.7.2
+    and 0.10.2), so the list handed to `jax.shard_map` is filled in while `f` runs. Were
+    a JAX release to read it earlier, it would fail loudly (a length mismatch), never
+    silently.
+    """
+    out_specs: list[PartitionSpec] = []
+
+    def body(*args: Any) -> list[Any]:
+        specs, outs = f(*args)
+        out_specs[:] = specs
+        return list(outs)
+
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=axis_names,
+        check_vma=check_vma,
+    )

@@ -72,8 +72,11 @@ def constrain(x: Any, sharding: Sharding) -> Any:
     if auto:
         spec = _keep_axes(sharding.spec, auto, unconstrained=True)
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-    if sharding.memory_kind is not None:
-        x = jax.device_put(x, _compat.memory_space(sharding.memory_kind))
+    # Only an actual change of memory: `device_put` to a memory space is not allowed
+    # inside `shard_map` without `jit`, and a concrete mesh's sharding says "device".
+    space = None if sharding.memory_kind is None else _compat.memory_space(sharding.memory_kind)
+    if space is not None and space != _compat.traced_memory_space(x):
+        x = jax.device_put(x, space)
     return x
 
 
@@ -143,10 +146,7 @@ def place(
     if process_local:
         _check_process_local(verb, flat, shardings, traced)
     out: dict[int, Any] = {}
-    if process_local:
-        _multihost.check_local_shapes(
-            verb, [flat.paths[i] for i in concrete], [flat.leaves[i] for i in concrete]
-        )
+    if process_local:  # local shapes were checked to agree by `_resolve.resolve`
         for i, sharding in concrete.items():
             out[i] = _multihost.from_process_local(flat.leaves[i], sharding)
     else:
@@ -177,13 +177,24 @@ def _needs_constraint(x: Any, sharding: Sharding) -> bool:
 def _put_concrete(
     verb: str, flat: Flat, shardings: dict[int, Sharding], *, check_consistent: bool
 ) -> dict[int, Any]:
-    """One batched `device_put`; host data bound for other processes goes through NumPy."""
-    to_global = [i for i, s in shardings.items() if not s.is_fully_addressable]
+    """One batched `device_put`; host data bound for other processes goes through NumPy.
+
+    Data this process holds whole (NumPy, or an array on this process's devices) and
+    bound for a sharding that spans other processes is checked and placed from the host.
+    An array that already spans other processes is one global value: `device_put`
+    reshards it directly (it has no whole copy on this host to go through).
+    """
+    to_global = [
+        i
+        for i, s in shardings.items()
+        if not s.is_fully_addressable and _multihost.is_process_local(flat.leaves[i])
+    ]
     local = [i for i in shardings if i not in set(to_global)]
     out: dict[int, Any] = {}
     if to_global:
         host = [_multihost.to_host(flat.leaves[i]) for i in to_global]
-        if check_consistent and jax.process_count() > 1:
+        # While tracing no collective can run; the data is a constant of the traced program.
+        if check_consistent and jax.process_count() > 1 and not _compat.tracing():
             _multihost.check_identical(verb, [flat.paths[i] for i in to_global], host)
         for i, data in zip(to_global, host, strict=True):
             out[i] = _multihost.from_host(data, flat.leaves[i], shardings[i])
@@ -200,6 +211,8 @@ def _check_process_local(
     for i, sharding in shardings.items():
         if i in traced:
             rows.append((pathstr(flat.paths[i]), "is traced (inside `jit`)"))
+        elif _compat.tracing():
+            rows.append((pathstr(flat.paths[i]), "is host data placed while `jit` traces"))
         elif not isinstance(sharding, NamedSharding):
             rows.append((pathstr(flat.paths[i]), f"target is a {type(sharding).__name__}"))
     if rows:

@@ -26,9 +26,13 @@ def _backend_sharding(name: str) -> Sharding:
     return SingleDeviceSharding(devices[0])
 
 
-def _memory_kinds(sharding: Sharding) -> set[str]:
-    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh):
-        return set()
+def _memory_kinds(sharding: Sharding | None) -> set[str]:
+    """The memory kinds a leaf can move to: those of its devices, or (traced, devices not
+    known) those JAX can name inside `jit`."""
+    if sharding is None or (
+        isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+    ):
+        return set(_compat.TRACED_MEMORY_KINDS)
     device = next(iter(sharding.device_set))
     return {m.kind for m in device.addressable_memories()}
 
@@ -69,7 +73,8 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
     - `ValueError`: naming every failing leaf, for a backend this process lacks, a memory
         kind the target devices lack, a prefix tree that does not match `tree`, or a
         traced leaf asked to move to another device or backend inside `jit` (do the move
-        outside `jit`).
+        outside `jit`), or a memory kind inside `jit` on a JAX that cannot move memory
+        there (jax < 0.8 on CPU).
 
     !!! Example
 
@@ -90,7 +95,10 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
             "`memory_kind`; it was given neither."
         )
     if memory_kind is not None and not isinstance(memory_kind, str):
-        raise TypeError(f"`memory_kind` must be a string, got {type(memory_kind).__name__}.")
+        raise TypeError(
+            f"`filter_put` takes `memory_kind` as a string such as 'pinned_host' or 'device', "
+            f"but got {memory_kind!r} of type {type(memory_kind).__name__}."
+        )
     flat = Flat(tree)
     if not any(flat.is_array):
         return tree
@@ -103,6 +111,7 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
         _check_traced_targets(flat, shardings)
     if memory_kind is not None:
         _check_memory_kind(flat, shardings, memory_kind)
+        _check_traced_memory_kind(flat, shardings, memory_kind)
         shardings = {
             i: s.with_memory_kind(memory_kind) if s is not None else s for i, s in shardings.items()
         }
@@ -144,8 +153,8 @@ def _check_traced_targets(flat: Flat, shardings: dict[int, Sharding]) -> None:
 def _check_memory_kind(flat: Flat, shardings: dict[int, Any], memory_kind: str) -> None:
     rows = []
     for i, s in shardings.items():
-        kinds = _memory_kinds(s) if s is not None else set()
-        if kinds and memory_kind not in kinds:
+        kinds = _memory_kinds(s)
+        if memory_kind not in kinds:
             rows.append((pathstr(flat.paths[i]), f"target devices have {sorted(kinds)}"))
     if rows:
         raise ValueError(
@@ -154,5 +163,22 @@ def _check_memory_kind(flat: Flat, shardings: dict[int, Any], memory_kind: str) 
                 "devices do not have:",
                 rows,
                 "Pass one of the memory kinds listed.",
+            )
+        )
+
+
+def _check_traced_memory_kind(flat: Flat, shardings: dict[int, Any], memory_kind: str) -> None:
+    if _compat.memory_kinds_in_jit():
+        return
+    rows = [(pathstr(flat.paths[i]),) for i in shardings if _compat.is_tracer(flat.leaves[i])]
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`filter_put` cannot change memory kinds inside `jit` with jax {jax.__version__} "
+                f"on {jax.default_backend()} (JAX drops or rejects the move); got "
+                f"memory_kind={memory_kind!r} for these traced leaves:",
+                rows,
+                "Call `filter_put` outside `jit` (e.g. on the inputs or outputs of the jitted "
+                "function), or use a newer JAX, which supports memory kinds inside `jit`.",
             )
         )

@@ -12,9 +12,9 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from . import _compat
+from . import _compat, _multihost
 from ._tree import Flat, broadcast_prefix, leaf_error, pathstr, shape_str
 
 # Sentinels for "the argument was not given" (as opposed to `None` inside a prefix
@@ -23,6 +23,19 @@ UNSET: Any = object()
 _RULE: Any = object()
 
 TARGET_TYPES = (Mesh, AbstractMesh, Sharding, jax.Device, PartitionSpec)
+
+
+class RuleError(ValueError):
+    """Raised by a rule's `spec_for` for one leaf it cannot give a spec.
+
+    `resolve` gathers these over all leaves and raises one `ValueError` per kind of
+    failure (same `header` and `fix`), listing every failing leaf: `header` follows the
+    verb's name, `detail` is the leaf's row after its path, `fix` says what to do.
+    """
+
+    def __init__(self, header: str, detail: tuple[str, ...], fix: str):
+        super().__init__(f"{header}\n  {'  '.join(detail)}\n{fix}")
+        self.header, self.detail, self.fix = header, detail, fix
 
 
 def _is_target_leaf(x: Any) -> bool:
@@ -34,11 +47,18 @@ def _is_spec_leaf(x: Any) -> bool:
 
 
 def per_leaf(
-    flat: Flat, value: Any, *, argname: str, verb: str, is_leaf: Callable[[Any], bool]
+    flat: Flat,
+    value: Any,
+    *,
+    argname: str,
+    verb: str,
+    is_leaf: Callable[[Any], bool],
+    strict: bool = True,
 ) -> list[Any]:
     """`value` for every leaf of `flat`: one value for all, or a prefix tree broadcast.
 
-    Raises if a prefix tree gives a non-`None` value for a leaf that is not an array.
+    With `strict`, raises if a prefix tree gives a non-`None` value for a leaf that is
+    not an array; otherwise such values are ignored.
     """
     if is_leaf(value) or value is UNSET:
         return [value] * len(flat.leaves)
@@ -47,7 +67,7 @@ def per_leaf(
     position = {path: i for i, path in enumerate(flat.paths)}
     bad = [
         (pathstr(p), type(flat.leaves[position[p]]).__name__)
-        for p in on_leaf
+        for p in (on_leaf if strict else ())
         if not flat.is_array[position[p]] and values[position[p]] is not None
     ]
     if bad:
@@ -68,16 +88,27 @@ def resolve(
     spec: Any,
     *,
     resolve_str: Callable[[str], Sharding] | None = None,
+    process_local: bool = False,
+    check_consistent: bool = True,
 ) -> dict[int, Sharding]:
     """The sharding each array leaf must get (leaves to leave alone are absent).
 
     `target` is `UNSET` (the ambient mesh), a target form, or a prefix tree of them;
     `spec` is `UNSET`, a `PartitionSpec`, a prefix tree of them, a callable
-    `(path, leaf) -> PartitionSpec | None`, or a rule: an object with a method
-    `spec_for(path, leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
+    `(where(i), leaf) -> PartitionSpec | None`, or a rule: an object with a method
+    `spec_for(where(i), leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
     mesh (sharding rules are built on this).
+
+    With several processes, host data bound for a mesh that spans them is first checked
+    to have the same shape on every process (`_multihost.shapes_to_check`), so that every
+    process raises the same errors; with `process_local=True`, specs are checked against
+    the global shapes the local parts make.
     """
-    targets = per_leaf(flat, target, argname="target", verb=verb, is_leaf=_is_target_leaf)
+    # A target tree may hold a sharding at a non-array leaf, as `eqx.filter_shard` allows
+    # (`jax.tree.map(lambda _: sharding, model)`): it is ignored there. A spec may not.
+    targets = per_leaf(
+        flat, target, argname="target", verb=verb, is_leaf=_is_target_leaf, strict=False
+    )
     rule = None if isinstance(spec, PartitionSpec) else getattr(spec, "spec_for", None)
     if rule is not None:  # a rule: needs each leaf's mesh, so it is called in the loop below
         specs: list[Any] = [_RULE] * len(flat.leaves)
@@ -89,16 +120,24 @@ def resolve(
         specs = per_leaf(flat, spec, argname="spec", verb=verb, is_leaf=_is_spec_leaf)
 
     out: dict[int, Sharding] = {}
+    # (mesh, spec) per leaf, checked before any `NamedSharding` is built: its constructor
+    # raises on unknown or repeated axis names without saying which leaf.
+    layouts: dict[int, tuple[Mesh | AbstractMesh, PartitionSpec]] = {}
     type_errors: list[tuple[str, str]] = []
     no_mesh: list[tuple[str, str]] = []
     ambient: list[Any] = []  # looked up once, on first use
+    replicated = PartitionSpec()  # one object for every leaf given no spec
+    rule_errors: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+
+    def where(i: int) -> str:  # paths only for error rows: most calls never need them
+        return pathstr(flat.paths[i])
+
     for i in flat.array_indices:
         t, s = targets[i], specs[i]
-        path = pathstr(flat.paths[i])
         if t is None or s is None:
             continue
         if isinstance(t, PartitionSpec) and s is not UNSET:
-            type_errors.append((path, "a PartitionSpec target and a `spec` were both given"))
+            type_errors.append((where(i), "a PartitionSpec target and a `spec` were both given"))
             continue
         mesh = None
         if t is UNSET or isinstance(t, PartitionSpec):
@@ -106,25 +145,29 @@ def resolve(
                 ambient.append(_compat.ambient_mesh())
             mesh = ambient[0]
             if mesh is None:
-                no_mesh.append((path, f"spec {t if t is not UNSET else s}"))
+                no_mesh.append((where(i), f"spec {t if t is not UNSET else s}"))
                 continue
         elif isinstance(t, (Mesh, AbstractMesh)):
             mesh = t
         if s is _RULE and rule is not None:
             if mesh is None:
-                type_errors.append((path, f"a rule `spec` was given with target {_short(t)}"))
+                type_errors.append((where(i), f"a rule `spec` was given with target {_short(t)}"))
                 continue
-            s = rule(flat.paths[i], flat.leaves[i], mesh)
+            try:
+                s = rule(flat.paths[i], flat.leaves[i], mesh)
+            except RuleError as e:  # gathered, so that one error lists every such leaf
+                rule_errors.setdefault((e.header, e.fix), []).append((where(i), *e.detail))
+                continue
             if s is None:
                 continue
         if s is not UNSET and not isinstance(s, PartitionSpec):
-            type_errors.append((path, f"spec {s!r} is not a PartitionSpec"))
+            type_errors.append((where(i), f"spec {s!r} is not a PartitionSpec"))
         elif mesh is not None:
             spec_i = t if isinstance(t, PartitionSpec) else s
-            out[i] = NamedSharding(mesh, PartitionSpec() if spec_i is UNSET else spec_i)
+            layouts[i] = (mesh, replicated if spec_i is UNSET else spec_i)
         elif s is not UNSET:
             type_errors.append(
-                (path, f"a `spec` was given with target {_short(t)}, which fixes the layout")
+                (where(i), f"a `spec` was given with target {_short(t)}, which fixes the layout")
             )
         elif isinstance(t, Sharding):
             out[i] = t
@@ -133,7 +176,7 @@ def resolve(
         elif isinstance(t, str) and resolve_str is not None:
             out[i] = resolve_str(t)
         else:
-            type_errors.append((path, f"target {t!r} of type {type(t).__name__}"))
+            type_errors.append((where(i), f"target {t!r} of type {type(t).__name__}"))
     if type_errors:
         raise TypeError(
             leaf_error(
@@ -152,7 +195,23 @@ def resolve(
                 "Pass a mesh (`target=mesh`), or set one with `jax.set_mesh(mesh)`.",
             )
         )
-    check_specs(verb, flat, out)
+    for (header, fix), rows in rule_errors.items():
+        raise ValueError(leaf_error(f"`{verb}` {header}", rows, fix))
+    layouts.update((i, (s.mesh, s.spec)) for i, s in out.items() if isinstance(s, NamedSharding))
+    shapes = _multihost.shapes_to_check(
+        verb, flat, layouts, process_local=process_local, check_consistent=check_consistent
+    )
+    check_specs(verb, flat, layouts, shapes)
+    # One `NamedSharding` per distinct layout, shared by its leaves: building one costs more
+    # than the dict lookup, and `device_put` and `_already_placed` compare them faster.
+    # (Keyed by identity: `P(("a",)) == P("a")`, and each leaf keeps the very spec it got.)
+    built: dict[tuple[int, int], NamedSharding] = {}
+    for i, (mesh, spec) in layouts.items():
+        if i not in out:
+            key = (id(mesh), id(spec))
+            if key not in built:
+                built[key] = NamedSharding(mesh, spec)
+            out[i] = built[key]
     return out
 
 
@@ -166,41 +225,38 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
-def check_specs(verb: str, flat: Flat, shardings: dict[int, Sharding]) -> None:
-    """Checks every `NamedSharding` against its leaf: axis names, repeats, rank, divisibility."""
+def check_specs(
+    verb: str,
+    flat: Flat,
+    layouts: dict[int, tuple[Mesh | AbstractMesh, PartitionSpec]],
+    shapes: dict[int, tuple[int, ...]] | None = None,
+) -> None:
+    """Checks each leaf's (mesh, spec): axis names, repeats, rank, divisibility.
+
+    `shapes` overrides a leaf's own shape (the global shape of a process-local part).
+    """
     unknown: list[tuple[str, ...]] = []
     repeated: list[tuple[str, ...]] = []
     rank: list[tuple[str, ...]] = []
     uneven: list[tuple[str, ...]] = []
-    for i, sharding in shardings.items():
-        if not isinstance(sharding, NamedSharding):
-            continue
-        path, shape = pathstr(flat.paths[i]), tuple(flat.leaves[i].shape)
-        mesh, spec = sharding.mesh, sharding.spec
-        sizes = dict(mesh.shape)
-        used = [a for entry in spec for a in _axes(entry)]
-        missing = [a for a in used if a not in sizes]
-        if missing:
-            unknown.append((path, f"spec {spec}", f"axes {missing} not in mesh {list(sizes)}"))
-            continue
-        twice = sorted({a for a in used if used.count(a) > 1})
-        if twice:
-            repeated.append((path, f"spec {spec}", f"axes {twice} used more than once"))
-            continue
-        if len(spec) > len(shape):
-            rank.append((path, f"shape {shape_str(shape)}", f"spec {spec} has {len(spec)} entries"))
-            continue
-        for dim, entry in enumerate(spec):
-            parts = math.prod(sizes[a] for a in _axes(entry))
-            if shape[dim] % parts:
-                names = " x ".join(repr(a) for a in _axes(entry))
-                uneven.append(
-                    (
-                        path,
-                        f"shape {shape_str(shape)}",
-                        f"dim {dim} = {shape[dim]} is not divisible by {parts} (mesh axes {names})",
-                    )
-                )
+    # Inside `shard_map` a leaf is one shard and its Manual axes are dropped at placement,
+    # so only the other axes must divide its (local) shape.
+    context = _compat.context_abstract_mesh()
+    types = {} if context is None else _compat.axis_type_map(context)
+    manual = {name for name, t in types.items() if t == AxisType.Manual}
+    rows = {"unknown": unknown, "repeated": repeated, "rank": rank, "uneven": uneven}
+    # Leaves of a model share a few layouts and shapes: each distinct one is checked once
+    # (keyed by identity: `layouts` holds the meshes and specs alive for the whole loop).
+    checked: dict[tuple[Any, ...], list[tuple[str, tuple[str, ...]]]] = {}
+    for i, (mesh, spec) in layouts.items():
+        shape, shape_label = tuple(flat.leaves[i].shape), "shape"
+        if shapes is not None and shapes.get(i, shape) != shape:
+            shape, shape_label = shapes[i], "global shape"
+        key = (id(mesh), id(spec), shape, shape_label)
+        if key not in checked:
+            checked[key] = _spec_problems(mesh, spec, shape, shape_label, manual)
+        for kind, detail in checked[key]:
+            rows[kind].append((pathstr(flat.paths[i]), *detail))
     if unknown:
         raise ValueError(
             leaf_error(
@@ -235,3 +291,39 @@ def check_specs(verb: str, flat: Flat, shardings: dict[int, Sharding]) -> None:
                 "that does not split them.",
             )
         )
+
+
+def _spec_problems(
+    mesh: Mesh | AbstractMesh,
+    spec: PartitionSpec,
+    shape: tuple[int, ...],
+    shape_label: str,
+    manual: set[str],
+) -> list[tuple[str, tuple[str, ...]]]:
+    """What is wrong with laying out `shape` as `spec` over `mesh`: (kind, row) pairs."""
+    sizes = dict(mesh.shape)
+    used = [a for entry in spec for a in _axes(entry)]
+    missing = [a for a in used if a not in sizes]
+    if missing:
+        return [("unknown", (f"spec {spec}", f"axes {missing} not in mesh {list(sizes)}"))]
+    twice = sorted({a for a in used if used.count(a) > 1})
+    if twice:
+        return [("repeated", (f"spec {spec}", f"axes {twice} used more than once"))]
+    if len(spec) > len(shape):
+        return [("rank", (f"shape {shape_str(shape)}", f"spec {spec} has {len(spec)} entries"))]
+    problems = []
+    for dim, entry in enumerate(spec):
+        split = [a for a in _axes(entry) if a not in manual]
+        parts = math.prod(sizes[a] for a in split)
+        if shape[dim] % parts:
+            names = " x ".join(repr(a) for a in split)
+            problems.append(
+                (
+                    "uneven",
+                    (
+                        f"{shape_label} {shape_str(shape)}",
+                        f"dim {dim} = {shape[dim]} is not divisible by {parts} (mesh axes {names})",
+                    ),
+                )
+            )
+    return problems

@@ -46,7 +46,8 @@ def filter_shard(
         - a `PartitionSpec`: against the mesh set by `jax.set_mesh(mesh)`;
         - `None` (default): the mesh set by `jax.set_mesh`, laid out as `spec` says;
         - a PyTree whose structure is a prefix of `tree`, with any of the above at its
-            leaves and `None` to leave that subtree alone.
+            leaves and `None` to leave that subtree alone. A target that lands on a
+            non-array leaf is ignored there, as in `eqx.filter_shard`.
     - `spec`: how to lay leaves out over a mesh target; only with a `Mesh` target or the
         ambient mesh. One of:
         - a `PartitionSpec`, for every array leaf;
@@ -60,8 +61,9 @@ def filter_shard(
         array: the global size of each dim split across processes is the sum of the
         local sizes. Outside `jit` only; needs a mesh target.
     - `check_consistent`: with several processes and `process_local=False`, host data is
-        checked to be identical on every process (one checksum per leaf, one small
-        collective per call), as different data would silently diverge. `False` skips it.
+        checked to be identical on every process (a shape hash and a checksum per leaf,
+        two small collectives per call), as different data would silently diverge.
+        `False` skips both.
 
     **Returns:**
 
@@ -84,6 +86,9 @@ def filter_shard(
     eqxshard cannot see at trace time (the traced array carries no mesh and none is set)
     is reported by JAX when it compiles, as "Received incompatible devices for jitted
     computation": move the data outside `jit` with `filter_put` or `filter_shard`.
+    One move JAX does not report: on Explicit axes, inside `jit`, an array on one set of
+    devices asked onto a mesh of another set of the same size and platform keeps its
+    devices (at trace time JAX knows meshes by shape only, not by device ids).
 
     !!! Example
 
@@ -109,7 +114,14 @@ def filter_shard(
         return tree
     target = _resolve.UNSET if target is None else target
     spec = _resolve.UNSET if spec is None else spec
-    shardings = _resolve.resolve("filter_shard", flat, target, spec)
+    shardings = _resolve.resolve(
+        "filter_shard",
+        flat,
+        target,
+        spec,
+        process_local=process_local,
+        check_consistent=check_consistent,
+    )
     placed = _place.place(
         "filter_shard",
         flat,

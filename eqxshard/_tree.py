@@ -17,7 +17,7 @@ def pathstr(path: Path) -> str:
 
 
 class Flat:
-    """A PyTree flattened once: every leaf with its path, and which leaves are arrays.
+    """A PyTree flattened once: every leaf, which leaves are arrays, and their paths.
 
     This is `eqx.partition(tree, eqx.is_array)` and `eqx.combine` in one pass, keeping
     the leaf paths that error messages need. Non-array leaves are kept as the very same
@@ -26,10 +26,23 @@ class Flat:
     """
 
     def __init__(self, tree: Any, is_array: Callable[[Any], bool] = eqx.is_array):
-        with_path, self.treedef = jax.tree_util.tree_flatten_with_path(tree)
-        self.paths: list[Path] = [p for p, _ in with_path]
-        self.leaves: list[Any] = [x for _, x in with_path]
+        self.leaves: list[Any]
+        self.leaves, self.treedef = jax.tree_util.tree_flatten(tree)
         self.is_array: list[bool] = [is_array(x) for x in self.leaves]
+        self._tree = tree
+        self._paths: list[Path] | None = None
+
+    @property
+    def paths(self) -> list[Path]:
+        """Each leaf's key path, in the order of `leaves`.
+
+        Found on first use only (error messages, callable specs, prefix trees): flattening
+        with paths costs more than flattening, and placing a model needs no paths.
+        """
+        if self._paths is None:
+            with_path, _ = jax.tree_util.tree_flatten_with_path(self._tree)
+            self._paths = [p for p, _ in with_path]
+        return self._paths
 
     @property
     def array_indices(self) -> list[int]:

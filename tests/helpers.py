@@ -1,0 +1,173 @@
+"""Shared test helpers: meshes of every axis-type kind, a small model, placement asserts.
+
+Meshes are built with explicit `axis_types=` so that a test means the same on every JAX
+version (`jax.make_mesh` defaults to Explicit axes from jax 0.9, to Auto before).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, Sharding
+
+SHAPE = (4, 2)
+NAMES = ("data", "model")
+
+# Axis types per kind, for the ("data", "model") mesh. "mixed": Explicit data, Auto model.
+AXIS_TYPES: dict[str, tuple[AxisType, ...]] = {
+    "auto": (AxisType.Auto, AxisType.Auto),
+    "explicit": (AxisType.Explicit, AxisType.Explicit),
+    "mixed": (AxisType.Explicit, AxisType.Auto),
+}
+MESH_KINDS = tuple(AXIS_TYPES)
+
+
+def make_mesh(
+    kind: str = "auto",
+    shape: Sequence[int] = SHAPE,
+    names: Sequence[str] = NAMES,
+    devices: Sequence[jax.Device] | None = None,
+) -> Mesh:
+    """A mesh of `shape` named `names`, with the axis types of `kind`.
+
+    `kind` is "auto", "explicit" or "mixed" (the first axis Explicit, the rest Auto).
+    `devices` defaults to the first `prod(shape)` devices.
+    """
+    shape, names = tuple(shape), tuple(names)
+    if kind == "auto":
+        types = (AxisType.Auto,) * len(shape)
+    elif kind == "explicit":
+        types = (AxisType.Explicit,) * len(shape)
+    elif kind == "mixed":
+        types = (AxisType.Explicit,) + (AxisType.Auto,) * (len(shape) - 1)
+    else:
+        raise ValueError(f"unknown mesh kind {kind!r}")
+    if devices is None:
+        devices = jax.devices()[: int(np.prod(shape))]
+    return jax.make_mesh(shape, names, axis_types=types, devices=list(devices))
+
+
+def auto_mesh(**kwargs: Any) -> Mesh:
+    return make_mesh("auto", **kwargs)
+
+
+def explicit_mesh(**kwargs: Any) -> Mesh:
+    return make_mesh("explicit", **kwargs)
+
+
+def mixed_mesh(**kwargs: Any) -> Mesh:
+    return make_mesh("mixed", **kwargs)
+
+
+def mesh_on(kind: str, devices: Sequence[jax.Device], names: Sequence[str] = ("data",)) -> Mesh:
+    """A one-axis (by default) mesh of `kind` over exactly `devices`."""
+    shape = (len(devices),) + (1,) * (len(names) - 1)
+    return make_mesh(kind, shape=shape, names=names, devices=devices)
+
+
+class Model(eqx.Module):
+    """A small model with array leaves (float, int, a PRNG key) and static/non-array leaves."""
+
+    linear: eqx.nn.Linear
+    scale: jax.Array
+    steps: jax.Array
+    key: jax.Array
+    activation: Callable = eqx.field(static=True)
+    name: str = eqx.field(static=True)
+    fn: Callable  # a non-array leaf that is not static: must come back as the same object
+    count: int  # a Python int leaf: not an array, never placed
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.activation(self.linear(x)) * self.scale
+
+
+def make_model(seed: int = 0) -> Model:
+    """A `Model` whose array leaves all have a leading dim of 4 (P("data") fits every one)."""
+    key = jax.random.key(seed)
+    k1, k2 = jax.random.split(key)
+    return Model(
+        linear=eqx.nn.Linear(8, 4, key=k1),
+        scale=jnp.arange(1.0, 5.0),
+        steps=jnp.arange(4, dtype=jnp.int32),
+        key=jax.random.split(k2, 4),
+        activation=jax.nn.relu,
+        name="model",
+        fn=jnp.tanh,
+        count=3,
+    )
+
+
+def tree_data() -> dict[str, Any]:
+    """A plain PyTree: jax, NumPy and PRNG key arrays and non-array leaves.
+
+    Every array has a leading dim of 8, so any spec over ("data", "model") fits dim 0.
+    """
+    return {
+        "a": jnp.arange(32.0).reshape(8, 4),
+        "b": [np.arange(16, dtype=np.int32).reshape(8, 2), "label"],
+        "c": (jnp.ones((8,), jnp.bfloat16), 7, None),
+        "key": jax.random.split(jax.random.key(1), 8),
+    }
+
+
+def _values(x: Any) -> np.ndarray:
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
+def assert_equal_value(x: Any, expected: Any) -> None:
+    """Same shape, dtype and exact value (PRNG key arrays compared by their key data)."""
+    assert x.shape == expected.shape, (x.shape, expected.shape)
+    assert x.dtype == expected.dtype, (x.dtype, expected.dtype)
+    np.testing.assert_array_equal(_values(x), _values(expected))
+
+
+def assert_placed(x: Any, sharding: Sharding, value: Any = None, *, committed: bool = True) -> None:
+    """`x` is a `jax.Array` laid out as `sharding`, holding `value` (if given).
+
+    Checks `sharding.is_equivalent_to`, the device set, `committed`, and the value.
+    """
+    assert isinstance(x, jax.Array), type(x)
+    assert x.sharding.is_equivalent_to(sharding, x.ndim), (x.sharding, sharding)
+    assert x.sharding.device_set == sharding.device_set
+    assert x.committed is committed
+    if value is not None:
+        assert_equal_value(x, value)
+
+
+def assert_sharding(actual: Sharding, expected: Sharding, ndim: int) -> None:
+    """Two shardings lay out an array of `ndim` dims the same way."""
+    assert actual.is_equivalent_to(expected, ndim), (actual, expected)
+
+
+def assert_statics_same(out: Any, tree: Any) -> None:
+    """Same structure; every non-array leaf of `out` is the very same object as in `tree`."""
+    out_leaves, out_def = jax.tree_util.tree_flatten(out)
+    in_leaves, in_def = jax.tree_util.tree_flatten(tree)
+    assert out_def == in_def, (out_def, in_def)
+    for a, b in zip(out_leaves, in_leaves, strict=True):
+        if not eqx.is_array(b):
+            assert a is b, (a, b)
+
+
+def assert_tree_values(out: Any, tree: Any) -> None:
+    """Same structure, every array leaf with the same value and dtype, statics identical."""
+    assert_statics_same(out, tree)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(tree), strict=True):
+        if eqx.is_array(b):
+            assert_equal_value(a, b)
+
+
+def named(mesh: Mesh, *spec: Any) -> NamedSharding:
+    """`NamedSharding(mesh, P(*spec))`."""
+    return NamedSharding(mesh, P(*spec))
+
+
+def is_key(x: Any) -> bool:
+    return eqx.is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
