@@ -2,8 +2,20 @@
 
 import importlib.metadata
 
+from ._describe import LeafRow as LeafRow, ShardingTable as ShardingTable, describe as describe
+from ._fsdp import fsdp as fsdp
 from ._get import filter_get as filter_get
+from ._like import like as like
+from ._logical import logical as logical
+from ._plan import filter_init as filter_init, filter_plan as filter_plan
 from ._put import filter_put as filter_put
+from ._rules import (
+    NO_MATCH as NO_MATCH,
+    Rule as Rule,
+    dotted_path as dotted_path,
+    first as first,
+    path_rules as path_rules,
+)
 from ._shard import filter_replicate as filter_replicate, filter_shard as filter_shard
 
 __version__ = importlib.metadata.version("eqxshard")
