@@ -17,5 +17,6 @@ from ._rules import (
     path_rules as path_rules,
 )
 from ._shard import filter_replicate as filter_replicate, filter_shard as filter_shard
+from ._shard_map import filter_shard_map as filter_shard_map
 
 __version__ = importlib.metadata.version("eqxshard")

@@ -1,0 +1,367 @@
+"""`filter_shard_map`: `jax.shard_map` for PyTrees with non-array leaves; the `pmap` successor."""
+
+from __future__ import annotations
+
+import functools as ft
+from collections.abc import Callable, Set
+from typing import Any
+
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
+from jaxtyping import PyTree
+
+from . import _compat, _place
+from ._resolve import check_specs, per_leaf
+from ._tree import Flat, leaf_error, pathstr, shape_str
+
+_VERB = "filter_shard_map"
+Specs = PartitionSpec | PyTree[PartitionSpec | NamedSharding | None] | Callable[[Any, Any], Any]
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+        return ()
+    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _get_mesh(mesh: Any) -> Mesh | AbstractMesh:
+    """`mesh`, or the ambient mesh; inside an outer `shard_map`, the mesh JAX has in context."""
+    if mesh is None:
+        mesh = _compat.ambient_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"`{_VERB}` was called without a `mesh` and no mesh is set. Pass "
+                f"`{_VERB}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
+            )
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise TypeError(
+            f"`{_VERB}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
+            f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
+        )
+    context = _compat.context_abstract_mesh()
+    if (
+        context is not None
+        and AxisType.Manual in tuple(context.axis_types)
+        and dict(context.shape) == dict(mesh.shape)
+    ):
+        return context  # nested in a `shard_map` over the same mesh: JAX wants the context
+    return mesh
+
+
+def _manual_axes(mesh: Mesh | AbstractMesh, axis_names: Set[str] | None) -> frozenset[str]:
+    names = set(mesh.axis_names)
+    if axis_names is None:
+        return frozenset(names)
+    if isinstance(axis_names, str) or not all(isinstance(a, str) for a in axis_names):
+        raise TypeError(
+            f"`{_VERB}(axis_names=...)` must be a set of mesh axis names, got {axis_names!r}."
+        )
+    unknown = sorted(set(axis_names) - names)
+    if unknown:
+        raise ValueError(
+            f"`{_VERB}(axis_names=...)` names axes {unknown} that the mesh "
+            f"{list(mesh.axis_names)} does not have. Use only the mesh's axis names."
+        )
+    return frozenset(axis_names)
+
+
+def _specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: str) -> list[Any]:
+    """One entry of `specs` per leaf of `flat`: a `PartitionSpec`, `None`, or a bad value."""
+    rule = getattr(specs, "spec_for", None) if not _is_spec_leaf(specs) else None
+    if rule is not None:
+        return [
+            rule(flat.paths[i], x, mesh) if flat.is_array[i] else None
+            for i, x in enumerate(flat.leaves)
+        ]
+    if callable(specs) and not _is_spec_leaf(specs):
+        return [
+            specs(flat.paths[i], x) if flat.is_array[i] else None for i, x in enumerate(flat.leaves)
+        ]
+    values = per_leaf(flat, specs, argname=argname, verb=_VERB, is_leaf=_is_spec_leaf)
+    return values
+
+
+def _check_spec_values(
+    flat: Flat,
+    values: list[Any],
+    mesh: Mesh | AbstractMesh,
+    manual: frozenset[str],
+    argname: str,
+    *,
+    none_ok: bool,
+) -> dict[int, PartitionSpec]:
+    """Each array leaf's `PartitionSpec`; raises naming every leaf whose spec is unusable."""
+    out: dict[int, PartitionSpec] = {}
+    wrong_type: list[tuple[str, str]] = []
+    missing: list[tuple[str, str]] = []
+    other_mesh: list[tuple[str, str]] = []
+    not_manual: list[tuple[str, str, str]] = []
+    for i in flat.array_indices:
+        path, spec = pathstr(flat.paths[i]), values[i]
+        if isinstance(spec, NamedSharding):
+            if dict(spec.mesh.shape) != dict(mesh.shape):
+                other_mesh.append((path, f"mesh {dict(spec.mesh.shape)}"))
+                continue
+            spec = spec.spec
+        if spec is None:
+            if none_ok:
+                spec = PartitionSpec()
+            else:
+                shape = shape_str(getattr(flat.leaves[i], "shape", ()))
+                missing.append((path, f"array of shape {shape}"))
+                continue
+        if not isinstance(spec, PartitionSpec):
+            wrong_type.append((path, f"{spec!r} of type {type(spec).__name__}"))
+            continue
+        extra = sorted({a for e in spec for a in _axes(e)} - manual, key=str)
+        if extra and all(a in mesh.axis_names for a in extra):
+            not_manual.append((path, f"spec {spec}", f"axes {extra} not in `axis_names`"))
+            continue
+        out[i] = spec
+    if wrong_type:
+        raise TypeError(
+            leaf_error(
+                f"`{_VERB}` got `{argname}` entries that are not PartitionSpecs, for these leaves:",
+                wrong_type,
+                f"Give each array leaf a `PartitionSpec` in `{argname}` (a prefix PyTree of "
+                "them, or a callable `(path, leaf) -> PartitionSpec`).",
+            )
+        )
+    if other_mesh:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got `{argname}` NamedShardings on another mesh than "
+                f"{dict(mesh.shape)}, for these leaves:",
+                other_mesh,
+                "Use PartitionSpecs, or NamedShardings on the mesh given to `filter_shard_map`.",
+            )
+        )
+    if missing:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got `None` in `{argname}` for these array outputs:",
+                missing,
+                "Every array output needs a PartitionSpec saying how the per-device results "
+                "are joined: P() if they are equal on every device, P('name') to concatenate "
+                "along dim 0, ...; `None` is for non-array outputs.",
+            )
+        )
+    if not_manual:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got `{argname}` naming mesh axes outside `axis_names` "
+                f"{sorted(manual)}:",
+                not_manual,
+                "Name only the axes the function is mapped over in `in_specs`/`out_specs`, "
+                "or add these axes to `axis_names`.",
+            )
+        )
+    return out
+
+
+def _check_out_specs(
+    flat: Flat, specs: dict[int, PartitionSpec], mesh: Mesh | AbstractMesh
+) -> None:
+    """Outputs are joined, not split: only axis names, repeats and rank can be wrong."""
+    unknown, repeated, rank = [], [], []
+    sizes = dict(mesh.shape)
+    for i, spec in specs.items():
+        path, shape = pathstr(flat.paths[i]), tuple(flat.leaves[i].shape)
+        used = [a for e in spec for a in _axes(e)]
+        if any(a not in sizes for a in used):
+            missing = [a for a in used if a not in sizes]
+            unknown.append((path, f"spec {spec}", f"axes {missing} not in mesh {list(sizes)}"))
+        elif len(set(used)) != len(used):
+            twice = sorted({a for a in used if used.count(a) > 1})
+            repeated.append((path, f"spec {spec}", f"axes {twice} used more than once"))
+        elif len(spec) > len(shape):
+            rank.append(
+                (
+                    path,
+                    f"per-device shape {shape_str(shape)}",
+                    f"spec {spec} has {len(spec)} entries",
+                )
+            )
+    for rows, header, fix in (
+        (unknown, "naming axes its mesh does not have", "Use only the mesh's axis names."),
+        (repeated, "using a mesh axis more than once", "Use each axis name once per spec."),
+        (
+            rank,
+            "with more entries than the per-device outputs have dims",
+            "Give each output at most one entry per dim; to stack rank-0 results, return "
+            "them with a leading dim of size 1 (e.g. `x[None]`).",
+        ),
+    ):
+        if rows:
+            raise ValueError(leaf_error(f"`{_VERB}` got `out_specs` {header}:", rows, fix))
+
+
+def _has_explicit(mesh: Mesh | AbstractMesh, manual: frozenset[str]) -> bool:
+    types = _compat.axis_type_map(mesh)
+    return any(types[a] == AxisType.Explicit for a in manual)
+
+
+def _call(
+    fun: Callable,
+    mesh: Any,
+    in_specs: Any,
+    out_specs: Any,
+    axis_names: Set[str] | None,
+    check_vma: bool,
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    if kwargs:
+        raise TypeError(
+            f"`{_VERB}` takes positional arguments only (as `jax.shard_map`); got keyword "
+            f"arguments {sorted(kwargs)}. Pass them positionally, with their `in_specs`."
+        )
+    mesh = _get_mesh(mesh)
+    manual = _manual_axes(mesh, axis_names)
+    flat = Flat(args)
+    values = _specs_per_leaf(flat, in_specs, mesh, "in_specs")
+    specs = _check_spec_values(flat, values, mesh, manual, "in_specs", none_ok=True)
+    check_specs(_VERB, flat, {i: (mesh, spec) for i, spec in specs.items()})
+    if _has_explicit(mesh, manual):
+        # On Explicit axes `jax.shard_map` requires inputs already laid out as `in_specs`
+        # say; lay them out here (a transfer outside `jit`, a reshard inside).
+        shardings: dict[int, Sharding] = {i: NamedSharding(mesh, s) for i, s in specs.items()}
+        placed = _place.place(_VERB, flat, shardings)
+        flat = Flat(flat.rebuild(placed))
+    indices = flat.array_indices
+    out_flat: list[Flat] = []
+
+    def per_device(*local: Any) -> tuple[list[PartitionSpec], list[Any]]:
+        out = fun(*flat.rebuild(dict(zip(indices, local, strict=True))))
+        out_tree = Flat(out)
+        out_values = _specs_per_leaf(out_tree, out_specs, mesh, "out_specs")
+        out_specs_flat = _check_spec_values(
+            out_tree, out_values, mesh, manual, "out_specs", none_ok=False
+        )
+        _check_out_specs(out_tree, out_specs_flat, mesh)
+        out_flat[:] = [out_tree]
+        return [out_specs_flat[i] for i in out_tree.array_indices], [
+            out_tree.leaves[i] for i in out_tree.array_indices
+        ]
+
+    mapped = _compat.shard_map_specs_from_trace(
+        per_device,
+        mesh=mesh,
+        in_specs=tuple(specs[i] for i in indices),
+        axis_names=manual,
+        check_vma=check_vma,
+    )
+    outs = mapped(*(flat.leaves[i] for i in indices))
+    (out_tree,) = out_flat
+    return out_tree.rebuild(dict(zip(out_tree.array_indices, outs, strict=True)))
+
+
+def filter_shard_map(
+    fun: Callable | None = None,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    in_specs: Specs,
+    out_specs: Specs,
+    axis_names: Set[str] | None = None,
+    check_vma: bool = True,
+) -> Any:
+    """Maps `fun` over the shards of its array arguments, one call per device: `jax.shard_map`
+    for PyTrees with non-array leaves, and the `pmap` replacement that composes with `jit`.
+
+    Each device runs `fun` on its own block of every array leaf (as `in_specs` split
+    them) and may talk to the others with collectives (`jax.lax.psum`, `ppermute`,
+    `all_gather`, ...) over the mesh axis names. Non-array leaves of the arguments (an
+    `eqx.Module`'s activation functions, ints, strings) are passed through to `fun`
+    untouched; non-array leaves of the output are returned as they are (they are the
+    same on every device by construction). Works outside `jit` (like `jax.shard_map`,
+    it then runs op by op: wrap the caller in `eqx.filter_jit` for speed) and inside
+    `jit`, `grad` and `vmap` wherever `jax.shard_map` does. Inside `jit` the result
+    stays sharded on the mesh: no copy to one device or the host, unlike `jit(pmap(f))`.
+
+    It can be used as a decorator: `@filter_shard_map(mesh=..., in_specs=..., out_specs=...)`.
+
+    **Arguments:**
+
+    - `fun`: the per-device function. It is called with positional arguments only.
+        Omit it to get a decorator.
+    - `mesh`: the `jax.sharding.Mesh` (or `AbstractMesh`) to map over, with Auto or
+        Explicit axes. `None` (default) uses the mesh set by `jax.set_mesh`.
+    - `in_specs`: how each argument is split, as a prefix PyTree of the tuple of
+        arguments. Its leaves are:
+        - a `PartitionSpec`: split that subtree's array leaves as it says (mesh axis
+            `'i'` at position `d` splits dim `d` over the devices of `'i'`);
+        - `None`: for non-array leaves; on array leaves it means `P()` (the whole array
+            on every device, like `in_axes=None` in `pmap`);
+        - a `NamedSharding` on `mesh`: its spec.
+        The whole `in_specs` may also be a callable `(path, leaf) -> PartitionSpec | None`
+        called on each array leaf of the arguments, or a sharding rule: an object with a
+        method `spec_for(path, leaf, mesh) -> PartitionSpec | None`.
+    - `out_specs`: how the per-device outputs are joined, as a prefix PyTree of the
+        output: a `PartitionSpec` concatenates the blocks along the named mesh axes (a
+        mesh axis not named is a promise that the blocks are equal along it); `None`
+        goes on non-array outputs. A callable `(path, leaf) -> PartitionSpec` also works.
+    - `axis_names`: the mesh axes `fun` is mapped over (manual); the others stay under
+        the compiler's control. `None` (default): all of them.
+    - `check_vma`: `jax.shard_map`'s check that outputs said to be equal across devices
+        are (and the matching autodiff optimisations). Default `True`.
+
+    **Returns:**
+
+    A function taking the same positional arguments as `fun` and returning the output
+    of `fun` with every array output joined as `out_specs` say.
+
+    **Raises:**
+
+    - `ValueError`: naming every failing leaf by path, when `in_specs`/`out_specs` is not
+        a prefix of the arguments/output; gives a `PartitionSpec` for a non-array leaf
+        or `None` for an array output; names an axis the mesh lacks or one outside
+        `axis_names`, uses an axis twice, has more entries than the leaf has dims, or
+        splits a dim that does not divide evenly. Also when no `mesh` is given or set,
+        or `axis_names` names axes the mesh lacks.
+    - `TypeError`: for a spec that is not a `PartitionSpec`, a `mesh` that is not a mesh,
+        or keyword arguments in the call.
+
+    Other errors (an output said to be equal across devices that is not, under
+    `check_vma=True`) come from `jax.shard_map`.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import PartitionSpec as P
+        import eqxshard
+
+        mesh = jax.make_mesh((jax.device_count(),), ("i",))
+        model = eqx.nn.Linear(4, 4, key=jax.random.key(0))  # arrays and a static `use_bias`
+
+        @eqx.filter_jit
+        @eqxshard.filter_shard_map(mesh=mesh, in_specs=(P(), P("i")), out_specs=(P("i"), P()))
+        def step(model, x):
+            y = jax.vmap(model)(x)                            # this device's rows
+            return y, jax.lax.pmean(jnp.mean(y**2), "i")      # and one global loss
+
+        y, loss = step(model, jnp.ones((8 * jax.device_count(), 4)))
+        ```
+    """
+    if fun is None:
+        return ft.partial(
+            filter_shard_map,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            axis_names=axis_names,
+            check_vma=check_vma,
+        )
+    if not callable(fun):
+        raise TypeError(f"`{_VERB}` needs a callable `fun`, got {type(fun).__name__}.")
+
+    @ft.wraps(fun)
+    def mapped(*args: Any, **kwargs: Any) -> Any:
+        return _call(fun, mesh, in_specs, out_specs, axis_names, check_vma, args, kwargs)
+
+    return mapped
