@@ -7,6 +7,7 @@ from ._fsdp import fsdp as fsdp
 from ._get import filter_get as filter_get
 from ._like import like as like
 from ._logical import logical as logical
+from ._map import filter_map as filter_map
 from ._plan import filter_init as filter_init, filter_plan as filter_plan
 from ._put import filter_put as filter_put
 from ._rules import (
@@ -18,5 +19,6 @@ from ._rules import (
 )
 from ._shard import filter_replicate as filter_replicate, filter_shard as filter_shard
 from ._shard_map import filter_shard_map as filter_shard_map
+from ._stream import filter_stream as filter_stream
 
 __version__ = importlib.metadata.version("eqxshard")

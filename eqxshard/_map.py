@@ -177,11 +177,8 @@ def _vmapped_body(
         for i, x in zip(idx, mapped, strict=True):
             full[i] = x
         out = fun(*jtu.tree_unflatten(args_def, full))
-        out_paths, out_leaves = (
-            zip(*jtu.tree_flatten_with_path(out)[0], strict=True)
-            if (jtu.tree_leaves(out))
-            else ((), ())
-        )
+        flat_out = jtu.tree_flatten_with_path(out)[0]
+        out_paths, out_leaves = [p for p, _ in flat_out], [x for _, x in flat_out]
         axes = resolve_axes(out, out_axes, "out_axes", name)
         bad = [
             i
@@ -194,8 +191,12 @@ def _vmapped_body(
                 + _fmt(
                     ["out" + jtu.keystr(out_paths[i]) for i in bad],
                     [
-                        f"{type(out_leaves[i]).__name__} {getattr(out_leaves[i], 'shape', '')}  "
-                        f"out_axes {axes[i]}"
+                        (
+                            f"shape {tuple(out_leaves[i].shape)}"
+                            if eqx.is_array(out_leaves[i])
+                            else type(out_leaves[i]).__name__
+                        )
+                        + f"  out_axes {axes[i]}"
                         for i in bad
                     ],
                 )
@@ -234,7 +235,7 @@ def _run(
 
     # Rows of a sharded mapped axis stay on their device: split it into `d` blocks, one per
     # shard, and take chunk `j` as rows `[j*b, (j+1)*b)` of every block (zero collectives).
-    counts = [_shard_count(leaves[i], ax[i] % leaves[i].ndim, n) for i in idx]
+    counts = [_shard_count(leaves[i], ax[i] % len(leaves[i].shape), n) for i in idx]
     d = max([c for c in counts if c >= 1 and n % c == 0], default=1)
     b = 1 if batch_size is None else max(1, batch_size // d)
     if batch_size is not None and batch_size % d:

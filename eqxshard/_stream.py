@@ -1,0 +1,291 @@
+"""`filter_stream`: `filter_map` for inputs on the host that do not fit on the devices."""
+
+from __future__ import annotations
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any, overload
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm.auto import tqdm
+
+from ._compat import is_tracer
+from ._map import IF_ARRAY_0, _fmt, _Trace, _vmapped_body, check_batch_size, resolve_axes
+
+_NAME = "filter_stream"
+
+
+def _rows(leaf: Any, axis: int) -> int:
+    shape = getattr(leaf, "shape", None)
+    return int(shape[axis]) if shape is not None else len(leaf)
+
+
+def _check_mapped(paths: list[str], leaves: list[Any], axes: dict[int, int]) -> int:
+    """Checks the streamed leaves; returns their common number of rows."""
+    bad = [
+        i
+        for i, a in axes.items()
+        if not hasattr(leaves[i], "__getitem__")
+        or not (hasattr(leaves[i], "shape") or hasattr(leaves[i], "__len__"))
+        or (a != 0 and not isinstance(leaves[i], np.ndarray | jax.Array))
+        or (hasattr(leaves[i], "shape") and not -len(leaves[i].shape) <= a < len(leaves[i].shape))
+    ]
+    if bad:
+        raise TypeError(
+            f"`{_NAME}` streams rows of arrays or of host objects that support `len(x)` (or "
+            "`x.shape`) and slicing `x[i:j]` along axis 0 (other axes: NumPy/JAX arrays "
+            "only); these mapped leaves do not fit:\n"
+            + _fmt(
+                [paths[i] for i in bad],
+                [f"{type(leaves[i]).__name__}  in_axes {axes[i]}" for i in bad],
+            )
+            + "\nConvert them with `np.asarray`, or give them `in_axes=None` to broadcast them."
+        )
+    sizes = {i: _rows(leaves[i], a) for i, a in axes.items()}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"`{_NAME}` needs every mapped leaf to have the same number of rows; got:\n"
+            + _fmt([paths[i] for i in sizes], [f"{s} rows" for s in sizes.values()])
+            + "\nSlice them to one length, or broadcast some with `in_axes=None`."
+        )
+    return next(iter(sizes.values()))
+
+
+def _host_chunk(leaf: Any, start: int, stop: int, size: int) -> Any:
+    """Rows `[start, stop)` of `leaf`, padded to `size` rows by repeating the last row."""
+    chunk = leaf[start:stop]
+    xnp = jnp if isinstance(chunk, jax.Array) else np
+    if not isinstance(chunk, jax.Array):
+        chunk = np.asarray(chunk)
+    if stop - start < size:
+        pad = xnp.repeat(chunk[-1:], size - (stop - start), axis=0)
+        chunk = xnp.concatenate([chunk, pad])
+    return chunk
+
+
+def _run(
+    fun: Callable[..., Any],
+    batch_size: int,
+    in_axes: Any,
+    out_axes: Any,
+    mesh: Mesh | None,
+    progress: bool,
+    args: tuple[Any, ...],
+) -> Any:
+    flat, args_def = jtu.tree_flatten_with_path(args)
+    paths = ["args" + jtu.keystr(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
+    traced = [p for p, x in zip(paths, leaves, strict=True) if is_tracer(x)]
+    if traced:
+        raise TypeError(
+            f"`{_NAME}` moves data between host and devices, so it runs outside `jax.jit` "
+            f"(and `grad`, `vmap`, ...), but these arguments are traced: {', '.join(traced)}. "
+            "Inside a transformation use `eqxshard.filter_map` instead."
+        )
+    ax = {
+        i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", _NAME)) if a is not None
+    }
+    if not ax:
+        raise ValueError(
+            f"`{_NAME}` found nothing to stream: `in_axes` maps no argument. Give the inputs "
+            "to stream an int axis (the default `eqx.if_array(0)` maps every array)."
+        )
+    n = _check_mapped(paths, leaves, ax)
+    idx = list(ax)
+    streamed = [leaves[i] if ax[i] == 0 else np.moveaxis(leaves[i], ax[i], 0) for i in idx]
+    if isinstance(mesh, Mesh):
+        if batch_size % mesh.size:
+            raise ValueError(
+                f"`{_NAME}(batch_size={batch_size})` must be a multiple of the {mesh.size} "
+                f"devices of `mesh` {dict(mesh.shape)}, to split each chunk evenly. Pass "
+                f"batch_size={-(-batch_size // mesh.size) * mesh.size}, for example."
+            )
+        rows = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
+        broadcast = NamedSharding(mesh, PartitionSpec())
+    elif mesh is None:
+        rows = broadcast = None
+    else:
+        raise TypeError(
+            f"`{_NAME}(mesh=...)` must be a `jax.sharding.Mesh` or `None`, "
+            f"got {type(mesh).__name__}."
+        )
+
+    # Broadcast arrays go to the devices once; `fun`'s other leaves are closed over.
+    const_idx = [i for i, x in enumerate(leaves) if i not in ax and eqx.is_array(x)]
+    consts = jax.device_put([leaves[i] for i in const_idx], broadcast)
+    traces: list[_Trace] = []
+
+    @jax.jit
+    def step(chunk: list[Any], consts: list[Any]) -> Any:
+        full = list(leaves)
+        for i, c in zip(const_idx, consts, strict=True):
+            full[i] = c
+        return _vmapped_body(fun, args_def, full, idx, out_axes, traces, _NAME)(chunk)
+
+    def put(j: int) -> list[Any]:
+        start, stop = j * batch_size, min(n, (j + 1) * batch_size)
+        return jax.device_put([_host_chunk(x, start, stop, batch_size) for x in streamed], rows)
+
+    num_chunks = -(-n // batch_size)
+    if num_chunks == 0:
+        mapped_out, unmapped_out = jax.device_get(step([x[0:0] for x in streamed], consts))
+        mapped_out = [np.asarray(y) for y in mapped_out]
+    else:
+        mapped_out, unmapped_out = None, []
+        bar = tqdm(total=n, unit="row", disable=not progress, desc=getattr(fun, "__name__", None))
+        with bar:
+            pending = put(0)
+            for j in range(num_chunks):
+                result = step(pending, consts)  # runs asynchronously...
+                pending = put(j + 1) if j + 1 < num_chunks else None  # ...while this copies
+                ys, unmapped = jax.device_get(result)  # blocks until chunk `j` is done
+                del result
+                if mapped_out is None:
+                    mapped_out = [np.empty((n, *y.shape[1:]), y.dtype) for y in ys]
+                    unmapped_out = unmapped
+                start, stop = j * batch_size, min(n, (j + 1) * batch_size)
+                for out, y in zip(mapped_out, ys, strict=True):
+                    out[start:stop] = y[: stop - start]
+                bar.update(stop - start)
+        assert mapped_out is not None
+    first = traces[0]
+    mapped_iter, unmapped_iter = iter(mapped_out), iter(unmapped_out)
+    out_leaves = []
+    for a, s in zip(first.axes, first.statics, strict=True):
+        if a is not None:
+            out_leaves.append(np.moveaxis(next(mapped_iter), 0, a))
+        elif s is None:
+            out_leaves.append(np.asarray(next(unmapped_iter)))
+        else:
+            out_leaves.append(s)
+    return jtu.tree_unflatten(first.treedef, out_leaves)
+
+
+@overload
+def filter_stream(
+    fun: None = None,
+    *,
+    batch_size: int,
+    in_axes: Any = IF_ARRAY_0,
+    out_axes: Any = IF_ARRAY_0,
+    mesh: Mesh | None = None,
+    progress: bool = True,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def filter_stream(
+    fun: Callable[..., Any],
+    *,
+    batch_size: int,
+    in_axes: Any = IF_ARRAY_0,
+    out_axes: Any = IF_ARRAY_0,
+    mesh: Mesh | None = None,
+    progress: bool = True,
+) -> Callable[..., Any]: ...
+
+
+def filter_stream(
+    fun: Callable[..., Any] | None = None,
+    *,
+    batch_size: int,
+    in_axes: Any = IF_ARRAY_0,
+    out_axes: Any = IF_ARRAY_0,
+    mesh: Mesh | None = None,
+    progress: bool = True,
+) -> Any:
+    """Maps `fun` over inputs that live on the host, `batch_size` rows at a time, for
+    data larger than the devices' memory. Results come back to the host as NumPy arrays.
+
+    The companion of [`eqxshard.filter_map`][], which maps data already on the devices.
+    Each call of the returned function:
+
+    - sends the mapped inputs to the devices one chunk of `batch_size` rows at a time,
+        sharded over `mesh` if one is given, and copies chunk `j + 1` while chunk `j`
+        computes, so at most two input chunks (and one output chunk) are on the devices;
+    - sends the broadcast (`in_axes=None`) arrays, e.g. a model, once (replicated on
+        `mesh` if one is given);
+    - compiles `fun` once: the last, shorter chunk is **padded** by repeating its last
+        row, and the padded rows are dropped from the results;
+    - writes the results into preallocated NumPy arrays, with a `tqdm` progress bar.
+
+    It runs outside `jax.jit`. Results equal `eqx.filter_vmap(fun, in_axes=in_axes,
+    out_axes=out_axes)(*args)`, copied to the host.
+
+    **Arguments:**
+
+    - `fun`: the function to map, called as `fun(*args)`. Leave it out to use
+        `filter_stream(batch_size=...)` as a decorator.
+    - `batch_size`: rows per chunk, an int `>= 1`; with a `mesh`, a multiple of
+        `mesh.size`.
+    - `in_axes`: which inputs to stream, a prefix PyTree of the arguments tuple with
+        - `0`: stream its rows. Any object with `len(x)` (or `x.shape`) and `x[i:j]` slicing
+            works: NumPy arrays and `np.memmap`, `h5py`/`zarr` datasets, JAX arrays;
+        - another int: stream along that axis (NumPy and JAX arrays only);
+        - `None`: broadcast it to every row;
+        - a callable `leaf -> int | None`; the default `eqx.if_array(0)` streams every
+            array and broadcasts everything else. Other indexables need an explicit `0`.
+    - `out_axes`: where the mapped axis goes in each output, as for `filter_map`.
+    - `mesh`: a `jax.sharding.Mesh`: split each chunk's rows over all its devices.
+        `None`: use the default device.
+    - `progress`: show a `tqdm` progress bar (`False`: none).
+
+    **Returns:**
+
+    The streaming function (or, with `fun` left out, a decorator that makes it). It
+    returns `fun`'s output PyTree with NumPy arrays in place of arrays.
+
+    **Raises:**
+
+    - `TypeError`: if `batch_size` is not an int; if `mesh` is not a `Mesh`; if a mapped
+        leaf cannot be sliced into rows; if any argument is a tracer (use `filter_map`
+        inside `jit`); if keyword arguments are passed to the streaming function.
+    - `ValueError`: if `batch_size <= 0` or is not a multiple of `mesh.size`; if no input
+        is mapped; if mapped inputs have different numbers of rows, listing them all; as
+        `filter_map` for bad `in_axes`/`out_axes`.
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import numpy as np
+        import eqxshard
+
+        model = eqx.nn.MLP(8, 1, 32, 2, key=jax.random.key(0))
+        data = np.random.default_rng(0).normal(size=(10_000, 8)).astype(np.float32)
+
+        predict = eqxshard.filter_stream(
+            lambda model, x: model(x), batch_size=1024, in_axes=(None, 0), progress=False
+        )
+        values = predict(model, data)  # np.ndarray of shape (10000, 1)
+        ```
+    """
+    check_batch_size(batch_size, _NAME, allow_none=False)
+    if fun is None:
+        return ft.partial(
+            filter_stream,
+            batch_size=batch_size,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            mesh=mesh,
+            progress=progress,
+        )
+    if not callable(fun):
+        raise TypeError(f"`{_NAME}(fun)` must be callable, got {type(fun).__name__}.")
+
+    @ft.wraps(fun)
+    def streamed(*args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(
+                f"a function wrapped by `{_NAME}` takes positional arguments only, got "
+                f"keyword arguments {sorted(kwargs)}. Pass them positionally."
+            )
+        return _run(fun, int(batch_size), in_axes, out_axes, mesh, progress, args)
+
+    return streamed

@@ -1,0 +1,184 @@
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from eqxshard._stream import filter_stream
+
+ACTIVATION = jnp.tanh
+
+
+def _exact(params, x, key, label):
+    """Correctly rounded ops only (no a*b+c, which XLA may fuse): results match exactly."""
+    noise = (jax.random.bits(key, x.shape) % 8).astype(x.dtype)
+    y = (x + noise + params["shift"]) * params["scale"]
+    return {"y": y, "peak": jnp.max(y), "shift": params["shift"]}, label, ACTIVATION
+
+
+def _inputs(n):
+    params = {"scale": jnp.float32(1.5), "shift": jnp.arange(3.0)}
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3) / 7
+    keys = jax.random.split(jax.random.key(0), n)
+    return params, x, keys, "label"
+
+
+IN_AXES = (None, 0, 0, None)
+OUT_AXES = ({"y": 0, "peak": 0, "shift": None}, None, None)
+CASES = [(n, b) for n in (0, 1, 7, 64) for b in sorted({1, 3, n - 1, n, n + 1} - {-1, 0})]
+
+
+@pytest.mark.parametrize("n,batch_size", CASES)
+def test_equals_filter_vmap(n, batch_size):
+    args = _inputs(n)
+    ref = eqx.filter_vmap(_exact, in_axes=IN_AXES, out_axes=OUT_AXES)(*args)
+    out = filter_stream(
+        _exact, batch_size=batch_size, in_axes=IN_AXES, out_axes=OUT_AXES, progress=False
+    )(*args)
+    assert jax.tree.structure(out) == jax.tree.structure(ref)
+    for key in ("y", "peak", "shift"):
+        assert type(out[0][key]) is np.ndarray
+        assert out[0][key].shape == ref[0][key].shape
+        np.testing.assert_array_equal(out[0][key], ref[0][key])
+    assert out[1] is args[3] and out[2] is ACTIVATION
+
+
+class Rows:
+    """A host object that is not an array: `len` and `[i:j]` only. Records what is live on
+    the devices each time a chunk is read."""
+
+    def __init__(self, data, batch_size):
+        self.data, self.batch_size, self.reads, self.live = data, batch_size, [], []
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, index):
+        self.reads.append((index.start, index.stop))
+        chunk_shape = (self.batch_size, *self.data.shape[1:])
+        # Keep shardings, not the arrays: holding them would keep them alive.
+        self.live.append([a.sharding for a in jax.live_arrays() if a.shape == chunk_shape])
+        return self.data[index]
+
+
+MESHES = {
+    "none": None,
+    "explicit": ((8,), ("rows",), (AxisType.Explicit,)),
+    "auto-2d": ((4, 2), ("rows", "cols"), (AxisType.Auto, AxisType.Auto)),
+}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+def test_chunks_on_devices_and_one_compile(mesh_name):
+    spec = MESHES[mesh_name]
+    mesh = None if spec is None else jax.make_mesh(spec[0], spec[1], axis_types=spec[2])
+    data = np.random.default_rng(0).normal(size=(100, 13, 17)).astype(np.float32)
+    rows = Rows(data, 16)
+    traces = []
+
+    def f(w, x):
+        traces.append(x.shape)
+        return jnp.sum(x * w, axis=-1)
+
+    out = filter_stream(f, batch_size=16, in_axes=(None, 0), mesh=mesh, progress=False)(
+        np.float32(2.0), rows
+    )
+    np.testing.assert_allclose(out, np.sum(data * 2, axis=-1), rtol=1e-5, atol=1e-5)
+    assert len(traces) == 1  # the last chunk (4 rows) is padded: one trace, one compile
+    assert rows.reads == [(s, min(100, s + 16)) for s in range(0, 100, 16)]
+    assert max(len(live) for live in rows.live) <= 2  # never more than ~2 chunks on devices
+    assert max(len(live) for live in rows.live[1:]) >= 1  # chunk j+1 is read while j runs
+    for sharding in (s for live in rows.live for s in live):
+        if mesh is None:
+            assert len(sharding.device_set) == 1
+        else:
+            assert sharding.is_equivalent_to(NamedSharding(mesh, P(tuple(mesh.axis_names))), 3)
+
+
+def test_other_axes_and_device_inputs():
+    x = np.arange(24.0, dtype=np.float32).reshape(3, 8)  # streamed along axis 1
+    keys = jax.random.split(jax.random.key(3), 8)  # a JAX array on the device
+    f = lambda x, k: x * jax.random.uniform(k)  # noqa: E731
+    ref = eqx.filter_vmap(f, in_axes=(1, 0), out_axes=-1)(x, keys)
+    out = filter_stream(f, batch_size=3, in_axes=(1, 0), out_axes=-1, progress=False)(x, keys)
+    assert out.shape == (3, 8)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_progress_bar(capfd):
+    f = filter_stream(lambda x: x + 1, batch_size=4)
+    f(np.zeros(10))
+    assert "10/10" in capfd.readouterr().err
+    filter_stream(lambda x: x + 1, batch_size=4, progress=False)(np.zeros(10))
+    assert capfd.readouterr().err == ""
+
+
+def test_decorator():
+    @filter_stream(batch_size=4, progress=False)
+    def double(x):
+        return 2 * x
+
+    np.testing.assert_array_equal(double(np.arange(9.0)), 2 * np.arange(9.0))
+    assert double.__name__ == "double"
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [None, 2.0, True])
+def test_batch_size_type_error(bad):
+    with pytest.raises(TypeError, match=r"batch_size=\.\.\.\)` must be a positive int"):
+        filter_stream(jnp.sin, batch_size=bad)
+
+
+def test_batch_size_value_error():
+    with pytest.raises(ValueError, match="must be >= 1, got 0"):
+        filter_stream(jnp.sin, batch_size=0)
+
+
+def test_batch_size_not_multiple_of_mesh():
+    mesh = jax.make_mesh((8,), ("rows",), axis_types=(AxisType.Explicit,))
+    with pytest.raises(ValueError, match="multiple of the 8 devices.*batch_size=16"):
+        filter_stream(jnp.sin, batch_size=10, mesh=mesh)(np.zeros(20))
+
+
+def test_mesh_type_error():
+    with pytest.raises(TypeError, match=r"mesh=\.\.\.\)` must be a `jax.sharding.Mesh`"):
+        filter_stream(jnp.sin, batch_size=2, mesh="rows")(np.zeros(4))  # type: ignore[arg-type]
+
+
+def test_traced_arguments_rejected():
+    f = filter_stream(jnp.sin, batch_size=2)
+    with pytest.raises(TypeError, match=r"runs outside `jax.jit`.*args\[0\]"):
+        jax.jit(f)(jnp.zeros(4))
+
+
+def test_nothing_to_stream():
+    with pytest.raises(ValueError, match="nothing to stream"):
+        filter_stream(lambda s: s, batch_size=2)("text")
+
+
+def test_different_row_counts_listed():
+    with pytest.raises(
+        ValueError, match=r"same number of rows.*\n  args\[0\]\s+4 rows\n  args\[1\]"
+    ):
+        filter_stream(lambda x, y: x, batch_size=2)(np.zeros(4), np.zeros(5))
+
+
+def test_unsliceable_leaf_listed():
+    with pytest.raises(TypeError, match=r"do not fit:\n  args\[1\]  int  in_axes 0"):
+        filter_stream(lambda x, y: x, batch_size=2, in_axes=0)(np.zeros(4), 3)
+
+
+def test_other_axis_needs_an_array():
+    rows = Rows(np.zeros((4, 2)), 2)
+    with pytest.raises(TypeError, match=r"args\[0\]  Rows  in_axes 1"):
+        filter_stream(lambda x: x, batch_size=2, in_axes=1)(rows)
+
+
+def test_keyword_arguments_and_fun_type():
+    with pytest.raises(TypeError, match="positional arguments only"):
+        filter_stream(lambda x: x, batch_size=2)(x=np.zeros(2))
+    with pytest.raises(TypeError, match="must be callable"):
+        filter_stream(3, batch_size=2)  # type: ignore[arg-type]
