@@ -1,0 +1,63 @@
+"""Every example script runs to the end and prints what it promises; benchmarks still run.
+
+Each script runs in its own process, as a user would run it: the scripts set up their
+own 8 CPU devices, which must happen before JAX starts (so not in this process).
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
+
+# What each example prints when it did its job. An example not listed here must still
+# exit with 0 and print something; list its key lines here to check them too.
+KEY_OUTPUT = {
+    "train_data_parallel.py": [
+        r"8 devices",
+        r"laid out as (P|PartitionSpec)\('data',\): each device holds \(32, 8\)",
+        r"final loss \d+\.\d+ < first loss \d+\.\d+ / 10",
+    ],
+    "train_fsdp.py": [r"final loss \d+\.\d+ < first loss \d+\.\d+"],
+    "grid_eval.py": [r"model output over the grid: min"],
+}
+
+
+def run_script(path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, str(path), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_examples_found():
+    assert "train_data_parallel.py" in [p.name for p in EXAMPLES]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_runs(path: Path):
+    result = run_script(path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert result.stdout.strip(), output
+    for pattern in KEY_OUTPUT.get(path.name, []):
+        assert re.search(pattern, result.stdout), f"{pattern!r} not in the output:\n{output}"
+
+
+def test_placement_benchmark_quick():
+    """The benchmark still runs (its timings are not checked) and its HLO check holds."""
+    result = run_script(ROOT / "benchmarks" / "placement.py", "--quick")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "480 array leaves" in result.stdout, output
+    assert re.search(r"\(c\) compiled HLO, both f\s+identical", result.stdout), output
