@@ -95,8 +95,8 @@ def resolve(
 
     `target` is `UNSET` (the ambient mesh), a target form, or a prefix tree of them;
     `spec` is `UNSET`, a `PartitionSpec`, a prefix tree of them, a callable
-    `(where(i), leaf) -> PartitionSpec | None`, or a rule: an object with a method
-    `spec_for(where(i), leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
+    `(path, leaf) -> PartitionSpec | None`, or a rule: an object with a method
+    `spec_for(path, leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
     mesh (sharding rules are built on this).
 
     With several processes, host data bound for a mesh that spans them is first checked
