@@ -52,10 +52,14 @@ def _keep_axes(spec: PartitionSpec, keep: set[str], *, unconstrained: bool) -> P
     return PartitionSpec(*entries)
 
 
-def constrain(x: Any, sharding: Sharding) -> Any:
-    """Constrains a traced leaf to `sharding`, by the mesh's axis types."""
+def constrain_many(xs: list[Any], sharding: Sharding) -> list[Any]:
+    """Constrains traced leaves that share one `sharding`, by the mesh's axis types.
+
+    The mesh's axis types are read once for all of them, and the Auto part is one
+    `with_sharding_constraint` call over the list (tracing cost grows with calls).
+    """
     if not isinstance(sharding, NamedSharding):
-        return jax.lax.with_sharding_constraint(x, sharding)
+        return jax.lax.with_sharding_constraint(xs, sharding)
     mesh, types = sharding.mesh, _compat.axis_type_map(sharding.mesh)
     context = _compat.context_abstract_mesh()
     manual = {n for n, t in types.items() if t == AxisType.Manual}
@@ -68,16 +72,17 @@ def constrain(x: Any, sharding: Sharding) -> Any:
     auto = {n for n, t in types.items() if t == AxisType.Auto and n not in manual}
     if explicit:
         spec = _keep_axes(sharding.spec, explicit, unconstrained=False)
-        x = _compat.reshard_explicit(x, NamedSharding(mesh, spec))
+        target = NamedSharding(mesh, spec)
+        xs = [_compat.reshard_explicit(x, target) for x in xs]
     if auto:
         spec = _keep_axes(sharding.spec, auto, unconstrained=True)
-        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        xs = jax.lax.with_sharding_constraint(xs, NamedSharding(mesh, spec))
+    if sharding.memory_kind is None:
+        return list(xs)
     # Only an actual change of memory: `device_put` to a memory space is not allowed
     # inside `shard_map` without `jit`, and a concrete mesh's sharding says "device".
-    space = None if sharding.memory_kind is None else _compat.memory_space(sharding.memory_kind)
-    if space is not None and space != _compat.traced_memory_space(x):
-        x = jax.device_put(x, space)
-    return x
+    space = _compat.memory_space(sharding.memory_kind)
+    return [x if space == _compat.traced_memory_space(x) else jax.device_put(x, space) for x in xs]
 
 
 def _device_count(sharding: Sharding) -> int:
@@ -151,13 +156,15 @@ def place(
             out[i] = _multihost.from_process_local(flat.leaves[i], sharding)
     else:
         out.update(_put_concrete(verb, flat, concrete, check_consistent=check_consistent))
-    for i, sharding in traced.items():
-        out[i] = constrain(out.get(i, flat.leaves[i]), sharding)
     # A concrete leaf placed while a `jit` is being traced comes back traced: constrain it
     # too, as `device_put` alone is an identity on Auto axes inside `jit`.
-    for i in concrete:
-        if _compat.is_tracer(out[i]):
-            out[i] = constrain(out[i], concrete[i])
+    again = {i: s for i, s in concrete.items() if _compat.is_tracer(out[i])}
+    groups: dict[int, tuple[Sharding, list[int]]] = {}  # leaves sharing one sharding object
+    for i, sharding in (*traced.items(), *again.items()):
+        groups.setdefault(id(sharding), (sharding, []))[1].append(i)
+    for sharding, indices in groups.values():
+        xs = [out.get(i, flat.leaves[i]) for i in indices]
+        out.update(zip(indices, constrain_many(xs, sharding), strict=True))
     return out
 
 
