@@ -130,6 +130,12 @@ def like(params: Any, plan: Any = None) -> Like:
     !!! Example
 
         ```python
+        import optax
+
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        make = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
+        model = eqxshard.filter_init(make, mesh, eqxshard.fsdp("data"))(jax.random.key(0))
+        optimiser = optax.adam(1e-3)
         params = eqx.filter(model, eqx.is_array)
         opt_state = eqxshard.filter_init(optimiser.init, mesh, eqxshard.like(params))(params)
         ```

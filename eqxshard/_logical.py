@@ -85,9 +85,11 @@ def logical(spec: Any, mapping: Mapping[str, str | tuple[str, ...] | None]) -> L
     !!! Example
 
         ```python
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        model = eqx.nn.MLP(16, 16, 64, 1, key=jax.random.key(0))  # up, then down
         rules = eqxshard.path_rules([
-            (r".*mlp\\.up\\.weight", P("mlp", "embed")),
-            (r".*mlp\\.down\\.weight", P("embed", "mlp")),
+            (r"layers\\.0\\.weight", P("mlp", "embed")),
+            (r"layers\\.1\\.weight", P("embed", "mlp")),
             (r".*", P()),
         ])
         tensor_parallel = eqxshard.logical(rules, {"embed": None, "mlp": "model"})

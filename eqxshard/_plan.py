@@ -65,6 +65,8 @@ def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
     !!! Example
 
         ```python
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        key = jax.random.key(0)
         abstract = eqx.filter_eval_shape(lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key), key)
         plan = eqxshard.filter_plan(abstract, mesh, eqxshard.fsdp("data", min_size=0))
         plan.layers[0].weight  # NamedSharding(mesh, P("data", None))
@@ -164,7 +166,8 @@ def filter_init(fn: Callable[..., PyTree], target: Any = None, spec: Any = None)
     !!! Example
 
         ```python
-        make = lambda key: eqx.nn.MLP(1024, 1024, 4096, 4, key=key)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        make = lambda key: eqx.nn.MLP(256, 256, 1024, 2, key=key)
         model = eqxshard.filter_init(make, mesh, eqxshard.fsdp("data"))(jax.random.key(0))
         ```
     """

@@ -235,9 +235,11 @@ def path_rules(
     !!! Example
 
         ```python
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        model = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
         rules = eqxshard.path_rules([
-            (r".*attention\\.(query|key|value)\\.weight", P("model", None)),
-            (r".*attention\\.output\\.weight", P(None, "model")),
+            (r"(query|key|value)_proj\\.weight", P("model", None)),
+            (r"output_proj\\.weight", P(None, "model")),
             (r".*", P()),  # everything else replicated
         ])
         model = eqxshard.filter_shard(model, mesh, rules)
@@ -299,8 +301,11 @@ def first(*rules: Any) -> First:
     !!! Example
 
         ```python
-        # Embeddings split over "model", everything else fully sharded over "data":
-        rules = eqxshard.path_rules([(r"embedding\\.weight", P(None, "model"))])
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        k1, k2 = jax.random.split(jax.random.key(0))
+        model = eqx.nn.Sequential([eqx.nn.Embedding(64, 16, key=k1), eqx.nn.Linear(16, 64, key=k2)])
+        # The embedding split over "model", everything else fully sharded over "data":
+        rules = eqxshard.path_rules([(r"layers\\.0\\.weight", P(None, "model"))])
         model = eqxshard.filter_shard(model, mesh, rules | eqxshard.fsdp("data"))
         ```
     """

@@ -93,7 +93,8 @@ def filter_shard(
     !!! Example
 
         ```python
-                import jax
+        import equinox as eqx
+        import jax
         import jax.numpy as jnp
         from jax.sharding import PartitionSpec as P
         import eqxshard
@@ -156,7 +157,8 @@ def filter_replicate(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
     !!! Example
 
         ```python
-                import jax
+        import equinox as eqx
+        import jax
         import eqxshard
 
         mesh = jax.make_mesh((jax.device_count(),), ("data",))

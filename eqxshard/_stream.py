@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm.auto import tqdm
 
 from ._compat import is_tracer
 from ._map import IF_ARRAY_0, _fmt, _Trace, _vmapped_body, check_batch_size, resolve_axes
@@ -137,7 +137,12 @@ def _run(
         mapped_out = [np.asarray(y) for y in mapped_out]
     else:
         mapped_out, unmapped_out = None, []
-        bar = tqdm(total=n, unit="row", disable=not progress, desc=getattr(fun, "__name__", None))
+        # `tqdm.auto` (a widget in Jupyter) warns on import in a kernel without ipywidgets:
+        # import it only when a bar is shown.
+        bar_class = _auto_tqdm() if progress else tqdm.tqdm
+        bar = bar_class(
+            total=n, unit="row", disable=not progress, desc=getattr(fun, "__name__", None)
+        )
         with bar:
             pending = put(0)
             for j in range(num_chunks):
@@ -289,3 +294,9 @@ def filter_stream(
         return _run(fun, int(batch_size), in_axes, out_axes, mesh, progress, args)
 
     return streamed
+
+
+def _auto_tqdm() -> type[tqdm.tqdm]:
+    from tqdm.auto import tqdm as auto_tqdm
+
+    return auto_tqdm

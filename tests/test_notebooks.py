@@ -2,15 +2,19 @@
 
 Notebooks are committed without outputs (checked here too), so what they show is what
 this run produces. Needs `nbclient`, `nbformat` and `ipykernel`; the kernel is this
-interpreter (`python3` resolves to `sys.executable`).
+interpreter (`python3` resolves to `sys.executable`), which a last cell added to each
+run checks, with its JAX version. A notebook must also run without writing to stderr
+(warnings included), the counterpart of `filterwarnings = error` for the kernel.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import ipykernel  # noqa: F401  (the kernel the notebooks run in)
+import jax
 import nbclient
 import nbformat
 import pytest
@@ -41,15 +45,23 @@ def test_notebook_runs(path, monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", flags)
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     nb = nbformat.read(path, as_version=4)
+    # One more cell, not saved: which interpreter and which JAX the kernel really runs.
+    nb.cells.append(
+        nbformat.v4.new_code_cell("import sys, jax\nprint(sys.executable)\nprint(jax.__version__)")
+    )
     client = nbclient.NotebookClient(
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(EXAMPLES)}}
     )
     client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
-    errors = [
-        output
-        for cell in nb.cells
+    outputs = [
+        (i, output)
+        for i, cell in enumerate(nb.cells)
         if cell.cell_type == "code"
         for output in cell.outputs
-        if output.get("output_type") == "error"
     ]
-    assert not errors
+    assert not [o for _, o in outputs if o.get("output_type") == "error"]
+    stderr = [f"cell {i}: {o.text}" for i, o in outputs if o.get("name") == "stderr"]
+    assert not stderr, f"{path.name} wrote to stderr:\n" + "\n".join(stderr)
+    executable, version = "".join(o.text for o in nb.cells[-1].outputs).splitlines()
+    assert os.path.realpath(executable) == os.path.realpath(sys.executable)
+    assert version == jax.__version__
