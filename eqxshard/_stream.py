@@ -15,7 +15,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._compat import is_tracer
-from ._map import IF_ARRAY_0, _fmt, _Trace, _vmapped_body, check_batch_size, resolve_axes
+from ._mapping import IF_ARRAY_0, _fmt, _Trace, _vmapped_body, check_batch_size, resolve_axes
 
 _NAME = "filter_stream"
 

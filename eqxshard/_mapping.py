@@ -1,0 +1,185 @@
+"""What `filter_map` and `filter_stream` share: axes, batch sizes, the vmapped chunk body."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+_Axis = int | None
+IF_ARRAY_0 = eqx.if_array(0)  # the default of `in_axes`/`out_axes`, as in `filter_vmap`
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
+
+
+def check_batch_size(batch_size: Any, name: str, *, allow_none: bool = True) -> None:
+    """Raises if `batch_size` is not `None` (when allowed) or a positive int."""
+    if batch_size is None and allow_none:
+        return
+    is_int = isinstance(batch_size, int | np.integer) and not isinstance(batch_size, bool)
+    if not is_int:
+        allowed = "`None` or a positive int" if allow_none else "a positive int"
+        raise TypeError(
+            f"`{name}(batch_size=...)` must be {allowed}, got {batch_size!r} of type "
+            f"{type(batch_size).__name__}. Pass the number of rows per chunk, e.g. "
+            "`batch_size=32`."
+        )
+    if int(batch_size) <= 0:  # pyright: ignore[reportArgumentType]
+        raise ValueError(
+            f"`{name}(batch_size=...)` must be >= 1, got {batch_size}. Pass the number of "
+            "rows per chunk, e.g. `batch_size=32`"
+            + (", or `None` for one row at a time." if allow_none else ".")
+        )
+
+
+def resolve_axes(tree: Any, axes: Any, what: str, name: str) -> list[_Axis]:
+    """One axis (`int` or `None`) per leaf of `tree`, in `jtu.tree_leaves` order.
+
+    `axes` is a prefix PyTree of `tree` with `None`, ints or callables `leaf -> int | None`.
+    """
+    resolved: list[Any] = []
+
+    def visit(spec: Any, subtree: Any) -> None:
+        for leaf in jtu.tree_leaves(subtree):
+            resolved.append(spec(leaf) if callable(spec) else spec)
+
+    try:
+        jtu.tree_map(visit, axes, tree, is_leaf=_is_none)
+    except ValueError as e:
+        raise ValueError(
+            f"`{name}({what}=...)` must be a prefix of the {_WHAT[what]}'s PyTree "
+            f"structure, but it is not:\n  {e}\nGive one axis spec per argument, or a "
+            "single spec for all of them."
+        ) from None
+    bad = [a for a in resolved if a is not None and not _is_int(a)]
+    if bad:
+        raise TypeError(
+            f"`{name}({what}=...)` must hold only `None`, ints and callables returning "
+            f"`None` or an int; got {bad!r}."
+        )
+    return [None if a is None else int(a) for a in resolved]
+
+
+_WHAT = {"in_axes": "arguments tuple", "out_axes": "output"}
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _fmt(paths: list[str], rows: list[str]) -> str:
+    width = max(len(p) for p in paths)
+    return "\n".join(f"  {p.ljust(width)}  {r}" for p, r in zip(paths, rows, strict=True))
+
+
+def check_mapped_leaves(
+    paths: list[str], leaves: list[Any], axes: dict[int, int], name: str
+) -> int:
+    """Checks the mapped leaves (`axes`: leaf index -> axis); returns the common size."""
+    idx = list(axes)
+    not_arrays = [i for i in idx if not hasattr(leaves[i], "shape")]
+    if not_arrays:
+        raise TypeError(
+            f"`{name}` can only map over arrays, but `in_axes` maps these non-array leaves:\n"
+            + _fmt([paths[i] for i in not_arrays], [type(leaves[i]).__name__ for i in not_arrays])
+            + "\nGive them `in_axes=None` (the default `eqx.if_array(0)` does)."
+        )
+    out_of_range = [i for i in idx if not -len(leaves[i].shape) <= axes[i] < len(leaves[i].shape)]
+    if out_of_range:
+        raise ValueError(
+            f"`{name}(in_axes=...)` names an axis these leaves do not have:\n"
+            + _fmt(
+                [paths[i] for i in out_of_range],
+                [f"shape {tuple(leaves[i].shape)}  in_axes {axes[i]}" for i in out_of_range],
+            )
+            + "\nUse an axis in range for each leaf's shape, or `None` to broadcast it."
+        )
+    sizes = {i: leaves[i].shape[axes[i]] for i in idx}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"`{name}` needs every mapped leaf to have the same size along its mapped axis; "
+            "got:\n"
+            + _fmt(
+                [paths[i] for i in idx],
+                [f"shape {tuple(leaves[i].shape)}  axis {axes[i]}  size {sizes[i]}" for i in idx],
+            )
+            + "\nSlice or pad them to one size, or broadcast some with `in_axes=None`."
+        )
+    return next(iter(sizes.values()))
+
+
+class _Trace:
+    """What one trace of `fun` returned besides mapped arrays: structure and statics."""
+
+    def __init__(self, treedef: Any, axes: list[_Axis], statics: list[Any]):
+        self.treedef, self.axes, self.statics = treedef, axes, statics
+
+    def same_as(self, other: _Trace) -> bool:
+        if self.treedef != other.treedef or self.axes != other.axes:
+            return False
+        return all(_same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+
+
+def _vmapped_body(
+    fun: Callable,
+    args_def: Any,
+    leaves: list[Any],
+    idx: list[int],
+    out_axes: Any,
+    traces: list[_Trace],
+    name: str,
+) -> Callable:
+    """`vmap` of `fun` over the mapped leaves (at `idx`, mapped axis first)."""
+
+    def call(mapped: list[Any]) -> tuple[list[Any], list[Any]]:
+        full = list(leaves)
+        for i, x in zip(idx, mapped, strict=True):
+            full[i] = x
+        out = fun(*jtu.tree_unflatten(args_def, full))
+        flat_out = jtu.tree_flatten_with_path(out)[0]
+        out_paths, out_leaves = [p for p, _ in flat_out], [x for _, x in flat_out]
+        axes = resolve_axes(out, out_axes, "out_axes", name)
+        bad = [
+            i
+            for i, (x, a) in enumerate(zip(out_leaves, axes, strict=True))
+            if a is not None and (not eqx.is_array(x) or not -x.ndim - 1 <= a <= x.ndim)
+        ]
+        if bad:
+            raise ValueError(
+                f"`{name}(out_axes=...)` maps outputs that are not arrays or lack that axis:\n"
+                + _fmt(
+                    ["out" + jtu.keystr(out_paths[i]) for i in bad],
+                    [
+                        (
+                            f"shape {tuple(out_leaves[i].shape)}"
+                            if eqx.is_array(out_leaves[i])
+                            else type(out_leaves[i]).__name__
+                        )
+                        + f"  out_axes {axes[i]}"
+                        for i in bad
+                    ],
+                )
+                + "\nGive non-array outputs `out_axes=None` (the default `eqx.if_array(0)` does)."
+            )
+        statics = [None if eqx.is_array(x) else x for x in out_leaves]
+        traces.append(_Trace(jtu.tree_structure(out), axes, statics))
+        mapped_out = [x for x, a in zip(out_leaves, axes, strict=True) if a is not None]
+        unmapped = [
+            x for x, a in zip(out_leaves, axes, strict=True) if a is None and eqx.is_array(x)
+        ]
+        return mapped_out, unmapped
+
+    return jax.vmap(call, in_axes=(0,), out_axes=(0, None))
