@@ -2,6 +2,12 @@
 
 import importlib.metadata
 
+from ._checkpoint import (
+    AsyncSave as AsyncSave,
+    filter_restore as filter_restore,
+    filter_save as filter_save,
+    latest_step as latest_step,
+)
 from ._describe import LeafRow as LeafRow, ShardingTable as ShardingTable, describe as describe
 from ._fsdp import fsdp as fsdp
 from ._get import filter_get as filter_get
@@ -17,6 +23,7 @@ from ._rules import (
     first as first,
     path_rules as path_rules,
 )
+from ._setup import SetupReport as SetupReport, check_setup as check_setup, initialize as initialize
 from ._shard import filter_replicate as filter_replicate, filter_shard as filter_shard
 from ._shard_map import filter_shard_map as filter_shard_map
 from ._stream import filter_stream as filter_stream

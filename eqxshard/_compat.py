@@ -232,3 +232,18 @@ def shard_map_specs_from_trace(
         axis_names=axis_names,
         check_vma=check_vma,
     )
+
+
+def detected_cluster() -> str | None:
+    """The name of the cluster `jax.distributed.initialize()` would join with no
+    arguments (Slurm, Open MPI, Kubernetes, Cloud TPU pods), or `None` if it finds none.
+
+    The same detection JAX runs itself (opt-in methods such as mpi4py excluded, as JAX
+    does), read from its cluster registry: JAX has no public way to ask.
+    """
+    from jax._src import clusters
+
+    for env in clusters.ClusterEnv._cluster_types:
+        if not env.opt_in_only_method and env.is_env_present():
+            return env.__name__
+    return None

@@ -1,0 +1,324 @@
+"""`filter_save`, `filter_restore`, `latest_step`: sharded checkpoints through orbax.
+
+Round trips are compared bit for bit; restores go onto other meshes (Auto, Explicit,
+mixed), other device counts and every form of `target`/`spec` that `filter_shard` takes.
+The 2-process round trips are in `tests/multihost/test_checkpoint_multihost.py`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import (
+    MESH_KINDS,
+    assert_placed,
+    assert_tree_values,
+    make_mesh,
+    make_model,
+    named,
+    tree_data,
+)
+from jax.sharding import PartitionSpec as P, SingleDeviceSharding
+
+import eqxshard
+from eqxshard import _checkpoint
+from eqxshard._checkpoint import filter_restore, filter_save, latest_step
+
+
+def placed_model(kind: str = "explicit", seed: int = 0):
+    """`make_model` split over "data" of a (4, 2) mesh (every leaf's dim 0 is 4)."""
+    return eqxshard.filter_shard(make_model(seed), make_mesh(kind), P("data"))
+
+
+def abstract_model():
+    return eqx.filter_eval_shape(make_model, 1)
+
+
+def assert_statics_from(out, like) -> None:
+    """`out` has `like`'s structure and its very non-array leaves (`like` may be abstract)."""
+    out_leaves, out_def = jax.tree_util.tree_flatten(out)
+    like_leaves, like_def = jax.tree_util.tree_flatten(like)
+    assert out_def == like_def
+    for a, b in zip(out_leaves, like_leaves, strict=True):
+        if isinstance(b, jax.ShapeDtypeStruct) or eqx.is_array(b):
+            assert isinstance(a, jax.Array) and (a.shape, a.dtype) == (b.shape, b.dtype)
+        else:
+            assert a is b, (a, b)
+
+
+# ----------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_round_trip_keeps_values_shardings_and_statics(tmp_path: Path, kind: str) -> None:
+    model = placed_model(kind)
+    handle = filter_save(tmp_path, 3, model)
+    assert handle.done() and handle.step == 3
+    out = filter_restore(tmp_path, model)  # no target: `like`'s own shardings
+    assert_tree_values(out, model)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(model), strict=True):
+        if eqx.is_array(b):
+            assert_placed(a, b.sharding, b)
+    assert jnp.issubdtype(out.key.dtype, jax.dtypes.prng_key)
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_restore_onto_another_mesh_from_an_abstract_like(tmp_path: Path, kind: str) -> None:
+    model = placed_model("explicit")
+    filter_save(tmp_path, 0, model)
+    like = abstract_model()
+    mesh = make_mesh(kind, shape=(2, 4), names=("data", "model"))
+    out = filter_restore(tmp_path, like, mesh, P("model"))
+    assert_statics_from(out, like)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(model), strict=True):
+        if eqx.is_array(b):
+            assert_placed(a, named(mesh, "model"), b)
+
+
+def test_restore_onto_fewer_devices_with_a_rule(tmp_path: Path) -> None:
+    filter_save(tmp_path, 0, placed_model())
+    mesh = make_mesh("explicit", shape=(2,), names=("data",))
+    out = filter_restore(tmp_path, abstract_model(), mesh, eqxshard.fsdp("data", min_size=0))
+    expected = eqxshard.filter_plan(abstract_model(), mesh, eqxshard.fsdp("data", min_size=0))
+    arrays = [x for x in jax.tree.leaves(out) if eqx.is_array(x)]
+    for a, s in zip(arrays, jax.tree.leaves(expected), strict=True):
+        assert_placed(a, s)
+    assert_tree_values(eqxshard.filter_get(out), eqxshard.filter_get(placed_model()))
+
+
+def test_restore_plain_tree_with_numpy_bfloat16_and_key_leaves(tmp_path: Path) -> None:
+    tree = tree_data()
+    filter_save(tmp_path, 0, tree)
+    mesh = make_mesh("auto")
+    out = filter_restore(tmp_path, tree, mesh, P(("data", "model")))
+    assert_tree_values(out, tree)
+    assert out["c"][0].dtype == jnp.bfloat16
+    assert_placed(out["b"][0], named(mesh, ("data", "model")))
+
+
+def test_target_forms(tmp_path: Path) -> None:
+    model = placed_model()
+    filter_save(tmp_path, 0, model)
+    like = abstract_model()
+    device = jax.devices()[5]
+    mesh = make_mesh("explicit", shape=(4,), names=("data",))
+    # a Device, a Sharding
+    out = filter_restore(tmp_path, like, device)
+    assert_placed(out.scale, SingleDeviceSharding(device), model.scale)
+    out = filter_restore(tmp_path, like, named(mesh))
+    assert_placed(out.linear.weight, named(mesh), model.linear.weight)
+    # a prefix tree of targets, `None` = keep `like`'s own sharding (here a placed model)
+    target = jax.tree.map(lambda _: None, model)
+    target = eqx.tree_at(
+        lambda m: m.linear, target, named(mesh, "data"), is_leaf=lambda x: x is None
+    )
+    out = filter_restore(tmp_path, model, target)
+    assert_placed(out.linear.weight, named(mesh, "data"), model.linear.weight)
+    assert_placed(out.scale, model.scale.sharding, model.scale)
+    # a PartitionSpec against the mesh set by `jax.set_mesh`, and a callable spec
+    with jax.set_mesh(mesh):
+        out = filter_restore(tmp_path, like, P("data"))
+    assert_placed(out.steps, named(mesh, "data"), model.steps)
+    out = filter_restore(tmp_path, like, mesh, lambda path, leaf: P() if leaf.ndim else None)
+    assert_placed(out.key, named(mesh), model.key)
+
+
+def test_like_with_shape_dtype_struct_shardings(tmp_path: Path) -> None:
+    model = placed_model()
+    filter_save(tmp_path, 0, model)
+    mesh = make_mesh("explicit", shape=(8,), names=("x",))
+    mesh4 = make_mesh("explicit", shape=(4,), names=("x",), devices=jax.devices()[4:])
+    like = jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(mesh, "x"))
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else x
+        ),
+        abstract_model(),
+    )
+    with pytest.raises(ValueError, match=r"cannot split(.|\n)*\.scale"):
+        filter_restore(tmp_path, like)  # the checks of `filter_shard` run on them too
+    like = eqx.tree_at(lambda m: m.linear.weight, like, model.linear.weight)
+    like = eqx.tree_at(
+        lambda m: (m.scale, m.steps, m.key, m.linear.bias),
+        like,
+        replace_fn=lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=named(mesh4, "x")),
+    )
+    out = filter_restore(tmp_path, like)
+    assert_placed(out.steps, named(mesh4, "x"), model.steps)
+    assert_placed(out.linear.weight, model.linear.weight.sharding, model.linear.weight)
+
+
+def test_steps_latest_and_async(tmp_path: Path) -> None:
+    assert latest_step(tmp_path / "missing") is None
+    assert latest_step(tmp_path) is None
+    first, second = placed_model(seed=0), placed_model(seed=1)
+    filter_save(tmp_path, 10, first)
+    pending = filter_save(tmp_path, 20, second, wait=False)
+    pending.wait()
+    assert pending.done() and latest_step(tmp_path) == 20
+    pending.wait()  # waiting twice is fine
+    # a lower step than the latest is saved too (orbax alone would skip it)
+    filter_save(tmp_path, 5, first)
+    assert latest_step(tmp_path) == 20
+    assert_tree_values(filter_restore(tmp_path, first), second)
+    assert_tree_values(filter_restore(tmp_path, first, step=10), first)
+    assert_tree_values(filter_restore(tmp_path, first, step=5), first)
+
+
+def test_a_save_waits_for_the_running_one(tmp_path: Path) -> None:
+    models = [placed_model(seed=s) for s in range(3)]
+    handles = [filter_save(tmp_path, s, m, wait=False) for s, m in enumerate(models)]
+    for h in handles[:-1]:  # each was waited for by the save after it
+        assert h.done()
+    handles[-1].wait()
+    for s, m in enumerate(models):
+        assert_tree_values(filter_restore(tmp_path, m, step=s), m)
+
+
+def test_an_unfinished_save_is_not_a_step(tmp_path: Path) -> None:
+    """What a save killed halfway leaves (orbax's temporary directory) is ignored by
+    `latest_step` and `filter_restore`, and the step can be saved again."""
+    model = placed_model()
+    filter_save(tmp_path, 1, model)
+    unfinished = tmp_path / "2.orbax-checkpoint-tmp"
+    (unfinished / "default").mkdir(parents=True)
+    (unfinished / "default" / "partial").write_bytes(b"half a shard")
+    assert latest_step(tmp_path) == 1
+    assert_tree_values(filter_restore(tmp_path, model), model)
+    filter_save(tmp_path, 2, model)
+    assert latest_step(tmp_path) == 2 and not unfinished.exists()
+    assert_tree_values(filter_restore(tmp_path, model, step=2), model)
+
+
+def test_max_to_keep(tmp_path: Path) -> None:
+    model = placed_model()
+    for step in range(4):
+        filter_save(tmp_path, step, model, max_to_keep=2)
+    assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2, 3]
+
+
+def test_root_array_and_string_directory(tmp_path: Path) -> None:
+    x = jnp.arange(6.0)
+    filter_save(str(tmp_path), 0, x)
+    out = filter_restore(str(tmp_path), jax.ShapeDtypeStruct((6,), jnp.float32), jax.devices()[1])
+    assert_placed(out, SingleDeviceSharding(jax.devices()[1]), x)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_mismatch_lists_every_leaf(tmp_path: Path) -> None:
+    filter_save(tmp_path, 0, {"a": jnp.zeros((4, 2)), "b": jnp.zeros(3), "c": jnp.zeros(2)})
+    like = {
+        "a": jax.ShapeDtypeStruct((2, 4), jnp.float32),  # shape differs
+        "b": jax.ShapeDtypeStruct((3,), jnp.int32),  # dtype differs
+        "d": jax.ShapeDtypeStruct((1,), jnp.float32),  # not in the checkpoint
+    }  # and "c" is not in `like`
+    with pytest.raises(ValueError, match="does not match `like`") as info:
+        filter_restore(tmp_path, like, jax.devices()[0])
+    message = str(info.value)
+    assert "a  in `like` as (2, 4) float32  in the checkpoint as (4, 2) float32" in message
+    assert "b  in `like` as (3,) int32" in message and "(3,) float32" in message
+    assert "d  in `like` as (1,) float32    not in the checkpoint" in message
+    assert "c  not in `like`" in message
+    assert "Build `like` as the saved tree was built" in message
+
+
+def test_a_key_restored_into_a_non_key_is_a_mismatch(tmp_path: Path) -> None:
+    filter_save(tmp_path, 0, {"k": jax.random.split(jax.random.key(0), 4)})
+    like = {"k": jax.ShapeDtypeStruct((4,), jnp.uint32)}
+    with pytest.raises(ValueError, match=r"k  in `like` as \(4,\) uint32  in the checkpoint as"):
+        filter_restore(tmp_path, like, jax.devices()[0])
+
+
+def test_no_checkpoint_and_missing_step(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="found no checkpoint in"):
+        filter_restore(tmp_path / "none", abstract_model(), jax.devices()[0])
+    filter_save(tmp_path, 1, placed_model())
+    with pytest.raises(FileNotFoundError, match=r"no step 2 in .*holds steps \[1\]"):
+        filter_restore(tmp_path, abstract_model(), jax.devices()[0], step=2)
+
+
+def test_no_sharding_to_read_into(tmp_path: Path) -> None:
+    filter_save(tmp_path, 1, placed_model())
+    with pytest.raises(ValueError, match=r"no sharding to read these leaves into(.|\n)*\.scale"):
+        filter_restore(tmp_path, abstract_model())
+    # shardings of an abstract mesh (from `eval_shape` under `jax.set_mesh`) do not count
+    mesh = make_mesh("explicit")
+    with jax.set_mesh(mesh):
+        like = abstract_model()
+    with pytest.raises(ValueError, match="no sharding to read these leaves into"):
+        filter_restore(tmp_path, like)
+
+
+def test_bad_target_is_the_filter_shard_error(tmp_path: Path) -> None:
+    filter_save(tmp_path, 1, placed_model())
+    with pytest.raises(ValueError, match="filter_restore"):
+        filter_restore(tmp_path, abstract_model(), make_mesh("explicit"), P("nope"))
+
+
+def test_save_errors(tmp_path: Path) -> None:
+    model = placed_model()
+    filter_save(tmp_path, 1, model)
+    with pytest.raises(ValueError, match="step 1 already saved"):
+        filter_save(tmp_path, 1, model)
+    with pytest.raises(TypeError, match="int `step`, but got str"):
+        filter_save(tmp_path, "2", model)
+    with pytest.raises(TypeError, match="int `step`, but got bool"):
+        filter_save(tmp_path, True, model)
+    with pytest.raises(ValueError, match="`step` >= 0, but got -1"):
+        filter_save(tmp_path, -1, model)
+    with pytest.raises(TypeError, match="`directory` as a `str` or `os.PathLike`"):
+        filter_save(3, 2, model)
+    with pytest.raises(ValueError, match="`max_to_keep` >= 1"):
+        filter_save(tmp_path, 2, model, max_to_keep=0)
+    with pytest.raises(ValueError, match="no array leaves"):
+        filter_save(tmp_path, 2, {"a": "static", "b": 1.0})
+    with pytest.raises(ValueError, match=r"share a name:\n  a\.b  \['a'\]\['b'\], \['a\.b'\]"):
+        filter_save(tmp_path, 2, {"a.b": jnp.zeros(1), "a": {"b": jnp.ones(1)}})
+    assert latest_step(tmp_path) == 1  # nothing was written by the failed calls
+
+
+def test_save_inside_jit_is_an_error(tmp_path: Path) -> None:
+    @jax.jit
+    def f(x):
+        filter_save(tmp_path, 0, {"x": x})
+        return x
+
+    with pytest.raises(TypeError, match=r"cannot save traced leaves(.|\n)*\['x'\]"):
+        f(jnp.zeros(2))
+
+
+def test_without_orbax_is_an_import_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in list(sys.modules):
+        if name == "orbax" or name.startswith("orbax."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "orbax", None)  # `import orbax...` now raises
+    for call in (
+        lambda: filter_save(tmp_path, 0, {"a": jnp.zeros(1)}),
+        lambda: filter_restore(tmp_path, {"a": jnp.zeros(1)}),
+        lambda: latest_step(tmp_path),
+    ):
+        with pytest.raises(ImportError, match=r"pip install eqxshard\[checkpoint\]"):
+            call()
+
+
+def test_importing_eqxshard_does_not_import_orbax() -> None:
+    code = (
+        "import sys, eqxshard, eqxshard._checkpoint\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'orbax'], 'orbax imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_async_handle_repr(tmp_path: Path) -> None:
+    handle = filter_save(tmp_path, 4, {"a": jnp.zeros(2)})
+    assert repr(handle) == f"AsyncSave(directory={str(tmp_path)!r}, step=4, done)"
+    assert isinstance(handle, _checkpoint.AsyncSave)

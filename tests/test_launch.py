@@ -1,0 +1,311 @@
+"""`python -m eqxshard.launch`: environment, output, and ending the run as one.
+
+Most children here are tiny Python scripts without JAX (fast); two tests run real JAX
+processes on 127.0.0.1. Every run has a time limit that only stops a hang; processes
+are ended only by the launcher under test, or by these tests for processes they started.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import eqxshard
+from eqxshard import _launch, _setup
+
+# Only stops a run that hangs; the runs here take seconds.
+HANG_S = 120
+
+
+def child_env() -> dict[str, str]:
+    """This environment without JAX/XLA settings, importing the eqxshard under test."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    root = str(Path(eqxshard.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def script(tmp_path: Path, source: str, name: str = "child.py") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "eqxshard.launch", *args],
+        cwd=cwd,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def wait_for_files(paths: list[Path], proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not all(p.exists() for p in paths):
+        assert time.monotonic() < deadline, f"{paths} never appeared"
+        assert proc is None or proc.poll() is None, "the launcher exited early"
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def test_process_env():
+    env = _launch.process_env(
+        {"HOME": "/x"}, process_id=1, num_processes=3, port=1234, devices_per_process=4
+    )
+    assert env["HOME"] == "/x"
+    assert env[_setup.COORDINATOR_VAR] == "127.0.0.1:1234"
+    assert env[_setup.NUM_PROCESSES_VAR] == "3"
+    assert env[_setup.PROCESS_ID_VAR] == "1"
+    assert env["JAX_NUM_CPU_DEVICES"] == "4"
+    assert env["JAX_PLATFORMS"] == "cpu"
+    assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+    assert env["PYTHONUNBUFFERED"] == "1"
+    plain = _launch.process_env({}, process_id=0, num_processes=1, port=1)
+    assert "JAX_NUM_CPU_DEVICES" not in plain and "JAX_PLATFORMS" not in plain
+
+
+def test_child_command():
+    assert _launch.child_command(["train.py", "--x"]) == [sys.executable, "train.py", "--x"]
+    assert _launch.child_command(["-m", "pkg.mod"]) == [sys.executable, "-m", "pkg.mod"]
+    assert _launch.child_command(["./run.sh", "a"]) == ["./run.sh", "a"]
+
+
+def test_free_port_is_bindable():
+    import socket
+
+    port = _launch.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"command": []}, r"`command` is empty"),
+        ({"num_processes": 0}, r"`num_processes` must be at least 1, got 0"),
+        ({"devices_per_process": 0}, r"`devices_per_process` must be at least 1"),
+        ({"timeout": 0}, r"`timeout` must be positive"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    arguments = {"command": ["x.py"], "num_processes": 2, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        _launch.launch(**arguments)
+
+
+def test_cli_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        _launch.main(["-n", "2"])
+    assert info.value.code == 2
+    assert "no command given: add `-- script.py [args ...]`" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        _launch.main(["-n", "0", "--", "x.py"])
+    assert info.value.code == 2
+    assert "`num_processes` must be at least 1, got 0" in capsys.readouterr().err
+    assert _launch.main(["-n", "1", "--", "./no-such-program"]) == 127
+    assert "cannot run './no-such-program'" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def test_environment_and_prefixed_output(tmp_path):
+    child = script(
+        tmp_path,
+        """
+        import os, sys
+        get = os.environ.get
+        print(f"id={get('EQXSHARD_PROCESS_ID')} n={get('EQXSHARD_NUM_PROCESSES')} "
+              f"at={get('JAX_COORDINATOR_ADDRESS')} cpus={get('JAX_NUM_CPU_DEVICES')}")
+        print("to stderr", file=sys.stderr)
+        print("no newline at the end", end="")
+        """,
+    )
+    result = run_cli("-n", "3", "--devices-per-process", "2", "--", str(child), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    addresses = set()
+    for i in range(3):
+        ours = [line for line in lines if line.startswith(f"[{i}] ")]
+        assert len(ours) == 2, result.stdout
+        assert ours[0].startswith(f"[{i}] id={i} n=3 at=127.0.0.1:")
+        assert ours[0].endswith(" cpus=2")
+        assert ours[1] == f"[{i}] no newline at the end"
+        addresses.add(ours[0].split("at=")[1].split()[0])
+        assert f"[{i}] to stderr" in result.stderr.splitlines()
+    assert len(addresses) == 1  # one coordinator for all
+
+
+def test_failure_ends_the_others(tmp_path, capfd):
+    """Process 1 fails; process 0 ignores SIGTERM, so the launcher must SIGKILL it."""
+    child = script(
+        tmp_path,
+        f"""
+        import os, signal, sys, time
+        from pathlib import Path
+        me = int(os.environ["EQXSHARD_PROCESS_ID"])
+        here = Path({str(tmp_path)!r})
+        if me == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            (here / "pid0").write_text(str(os.getpid()))
+            time.sleep(600)
+        else:
+            while not (here / "pid0").exists():
+                time.sleep(0.05)
+            print("failing now", flush=True)
+            sys.exit(3)
+        """,
+    )
+    code = _launch.launch([str(child)], num_processes=2, grace=0.5, timeout=HANG_S, env=child_env())
+    out, err = capfd.readouterr()
+    assert code == 3, err
+    assert "[1] failing now" in out
+    assert "[launch] process 1 exited with code 3; ending the 1 still running" in err
+    assert gone(int((tmp_path / "pid0").read_text()))
+
+
+def test_timeout_ends_every_process(tmp_path, capfd):
+    child = script(
+        tmp_path,
+        f"""
+        import os, time
+        from pathlib import Path
+        me = os.environ["EQXSHARD_PROCESS_ID"]
+        Path({str(tmp_path)!r}, "pid" + me).write_text(str(os.getpid()))
+        time.sleep(600)
+        """,
+    )
+    code = _launch.launch([str(child)], num_processes=2, timeout=3, grace=0.5, env=child_env())
+    _, err = capfd.readouterr()
+    assert code == _launch.TIMEOUT_EXIT == 124
+    assert "[launch] the run took longer than --timeout 3 s; ending every process" in err
+    for i in range(2):
+        assert gone(int((tmp_path / f"pid{i}").read_text()))
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "said"),
+    [
+        (signal.SIGTERM, 128 + signal.SIGTERM, "got SIGTERM"),
+        (signal.SIGINT, _launch.INTERRUPT_EXIT, "interrupted"),  # Ctrl-C
+    ],
+)
+def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
+    child = script(
+        tmp_path,
+        f"""
+        import os, time
+        from pathlib import Path
+        me = os.environ["EQXSHARD_PROCESS_ID"]
+        Path({str(tmp_path)!r}, "pid" + me).write_text(str(os.getpid()))
+        time.sleep(600)
+        """,
+    )
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "eqxshard.launch", "-n", "2", "--", str(child)],
+        cwd=tmp_path,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        pids = [tmp_path / "pid0", tmp_path / "pid1"]
+        wait_for_files(pids, launcher)
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=HANG_S)
+    finally:
+        if launcher.poll() is None:  # only the launcher this test started
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == code
+    assert f"[launch] {said}; ending every process" in err
+    for path in pids:
+        assert gone(int(path.read_text()))
+
+
+# ----------------------------------------------------------------------------- real JAX
+
+
+def test_two_jax_processes_check_their_setup(tmp_path):
+    child = script(
+        tmp_path,
+        """
+        import eqxshard
+        print("joined by", eqxshard.initialize())
+        print(eqxshard.check_setup(processes=2, devices=8, local_devices=4, platform="cpu"))
+        try:
+            eqxshard.check_setup(processes=3, devices=6)
+        except RuntimeError as e:
+            print("check failed:", str(e).replace("\\n", " | "))
+        """,
+    )
+    result = run_cli("-n", "2", "--devices-per-process", "4", "--", str(child), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    for i in range(2):
+        assert f"[{i}] joined by eqxshard.launch" in result.stdout
+        assert (
+            f"[{i}] process {i} of 2; 4 local of 8 devices (per process: 4, 4); backend 'cpu'"
+            in result.stdout
+        )
+        failed = [line for line in result.stdout.splitlines() if line.startswith(f"[{i}] check")]
+        assert len(failed) == 1, result.stdout
+        assert "- processes: expected 3, but this run has 2." in failed[0]
+        assert "- devices: expected 6, but found 8." in failed[0]
+
+
+def test_an_uncaught_exception_ends_the_jax_run(tmp_path):
+    """Process 1 raises while process 0 enters a collective that now never completes.
+
+    Without `initialize`'s exit hook, process 1 would wait at exit in JAX's shutdown
+    barrier and process 0 in the collective: the run would hang until JAX's timeouts
+    (minutes), and the launcher's time limit here would end it with 124.
+    """
+    child = script(
+        tmp_path,
+        """
+        import eqxshard
+        eqxshard.initialize()
+        import jax
+        import jax.numpy as jnp
+        from jax.experimental import multihost_utils
+
+        multihost_utils.process_allgather(jnp.ones(1))
+        if jax.process_index() == 1:
+            raise RuntimeError("boom")
+        multihost_utils.process_allgather(jnp.ones(1))
+        """,
+    )
+    result = run_cli(
+        "-n",
+        "2",
+        "--devices-per-process",
+        "1",
+        "--timeout",
+        str(HANG_S),
+        "--",
+        str(child),
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "[1] RuntimeError: boom" in result.stderr
+    assert "[1] eqxshard: process 1 ended by an uncaught RuntimeError" in result.stderr
+    assert "[launch] the run took longer" not in result.stderr
