@@ -4,7 +4,6 @@ import importlib.metadata
 
 from ._checkpoint import (
     AsyncSave as AsyncSave,
-    filter_restore as filter_restore,
     filter_save as filter_save,
     latest_step as latest_step,
 )
@@ -16,6 +15,7 @@ from ._logical import logical as logical
 from ._map import filter_map as filter_map
 from ._plan import filter_init as filter_init, filter_plan as filter_plan
 from ._put import filter_put as filter_put
+from ._restore import filter_restore as filter_restore
 from ._rules import (
     NO_MATCH as NO_MATCH,
     Rule as Rule,

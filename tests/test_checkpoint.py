@@ -27,8 +27,7 @@ from helpers import (
 from jax.sharding import PartitionSpec as P, SingleDeviceSharding
 
 import eqxshard
-from eqxshard import _checkpoint
-from eqxshard._checkpoint import filter_restore, filter_save, latest_step
+from eqxshard import _checkpoint, filter_restore, filter_save, latest_step
 
 
 def placed_model(kind: str = "explicit", seed: int = 0):

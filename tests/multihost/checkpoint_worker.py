@@ -15,9 +15,7 @@ data) with those of the tree that was saved.
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,12 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from worker_common import check, join, run_scenarios
 
 import eqxshard
-from eqxshard._checkpoint import filter_restore, filter_save, latest_step
-
-NUM_PROCESSES = 2
-LOCAL_DEVICES = 4
+from eqxshard._checkpoint import filter_save, latest_step
+from eqxshard._restore import filter_restore
 
 SCENARIOS: dict[str, Callable[[int, Path], None]] = {}
 
@@ -82,11 +79,6 @@ def as_numpy(tree: Any) -> dict[str, np.ndarray]:
                 leaf = leaf.view(np.uint16)
             out[eqxshard.dotted_path(path)] = leaf
     return out
-
-
-def check(condition: Any, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
 
 
 def check_bit_exact(tree: Any, expected: dict[str, np.ndarray], what: str) -> None:
@@ -215,23 +207,8 @@ def mismatch_raises_on_every_process(process: int, workdir: Path) -> None:
 
 
 def main() -> None:
-    port, process, count, workdir = sys.argv[1:5]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=int(count),
-        process_id=int(process),
-    )
-    for name, fn in SCENARIOS.items():
-        try:
-            fn(int(process), Path(workdir))
-            report = {"scenario": name, "process": int(process), "ok": True, "error": None}
-        except Exception:
-            error = traceback.format_exc()
-            report = {"scenario": name, "process": int(process), "ok": False, "error": error}
-        print(json.dumps(report), flush=True)
-    jax.distributed.shutdown()
+    process, (workdir,) = join(sys.argv)
+    run_scenarios(SCENARIOS, process, Path(workdir))
 
 
 if __name__ == "__main__":

@@ -10,9 +10,7 @@ Each scenario checks, on its own process, the shards its process holds.
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +19,7 @@ import jax
 import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from worker_common import LOCAL_DEVICES, check, join, run_scenarios
 
 import eqxshard
 from eqxshard._describe import describe
@@ -29,20 +28,12 @@ from eqxshard._like import like
 from eqxshard._plan import filter_init, filter_plan
 from eqxshard._rules import path_rules
 
-NUM_PROCESSES = 2
-LOCAL_DEVICES = 4
-
 SCENARIOS: dict[str, Callable[[int], None]] = {}
 
 
 def scenario(fn: Callable[[int], None]) -> Callable[[int], None]:
     SCENARIOS[fn.__name__] = fn
     return fn
-
-
-def check(condition: Any, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
 
 
 def make_model(key: jax.Array) -> eqx.nn.MLP:
@@ -116,23 +107,8 @@ def shard_with_path_rules(process: int) -> None:
 
 
 def main() -> None:
-    port, process, count = sys.argv[1:4]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=int(count),
-        process_id=int(process),
-    )
-    for name, fn in SCENARIOS.items():
-        try:
-            fn(int(process))
-            report = {"scenario": name, "process": int(process), "ok": True, "error": None}
-        except Exception:
-            error = traceback.format_exc()
-            report = {"scenario": name, "process": int(process), "ok": False, "error": error}
-        print(json.dumps(report), flush=True)
-    jax.distributed.shutdown()
+    process, _ = join(sys.argv)
+    run_scenarios(SCENARIOS, process)
 
 
 if __name__ == "__main__":

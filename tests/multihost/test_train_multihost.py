@@ -15,9 +15,6 @@ Each subprocess has a time limit that only stops a hang.
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
 import re
 import subprocess
 import sys
@@ -25,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import child_env, own_processes, run_once
 
-import eqxshard
 from eqxshard import _launch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,19 +43,11 @@ COMMON = [
 PEER_GONE = r"Gloo \w+ failed|detected fatal errors|another task died|tasks are unhealthy"
 
 
-def base_env() -> dict[str, str]:
-    """This environment without JAX/XLA settings, importing the eqxshard under test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
-    root = str(Path(eqxshard.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    return env
-
-
 def with_launcher(*args: str) -> dict[str, Any]:
     command = [sys.executable, "-m", "eqxshard.launch", "-n", "2", "--devices-per-process", "4"]
     result = subprocess.run(
         [*command, "--", str(EXAMPLE), *args],
-        env=base_env(),
+        env=child_env(cpu=False),
         capture_output=True,
         text=True,
         timeout=HANG_S,
@@ -73,12 +62,11 @@ def with_launcher(*args: str) -> dict[str, Any]:
 
 def by_hand(*args: str) -> dict[str, Any]:
     """Both processes started here, with the launcher's environment but no launcher."""
-    port = _launch.free_port()
-    procs = []
-    try:
+    port, base = _launch.free_port(), child_env(cpu=False)
+    with own_processes() as procs:
         for i in range(2):
             env = _launch.process_env(
-                base_env(), process_id=i, num_processes=2, port=port, devices_per_process=4
+                base, process_id=i, num_processes=2, port=port, devices_per_process=4
             )
             procs.append(
                 subprocess.Popen(
@@ -91,11 +79,6 @@ def by_hand(*args: str) -> dict[str, Any]:
                 )
             )
         outputs = [p.communicate(timeout=HANG_S) for p in procs]
-    finally:
-        for p in procs:  # only the processes started here
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     return {
         "returncodes": [p.returncode for p in procs],
         "stdout": [out for out, _ in outputs],
@@ -120,18 +103,10 @@ def make_runs(workdir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # shared by every xdist worker of this session
-    workdir = base / "train_multihost"
+def runs(multihost_dir: Path) -> dict[str, Any]:
+    workdir = multihost_dir / "train"
     workdir.mkdir(exist_ok=True)
-    with open(workdir / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        cached = workdir / "runs.json"
-        if not cached.exists():
-            cached.write_text(json.dumps(make_runs(workdir)))
-        return json.loads(cached.read_text())
+    return run_once(workdir, "runs", lambda: make_runs(workdir))
 
 
 def steps_logged(stdout: str) -> list[tuple[int, str]]:

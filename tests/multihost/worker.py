@@ -15,10 +15,7 @@ with a fixed formula, so each process knows what every process passed.
 
 from __future__ import annotations
 
-import json
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from worker_common import NUM_PROCESSES, check, join, run_scenarios
 
 import eqxshard
-
-NUM_PROCESSES = 2
-LOCAL_DEVICES = 4
 
 # group -> scenario name -> function of the process id
 SCENARIOS: dict[str, dict[str, Callable[[int], None]]] = {}
@@ -50,11 +45,6 @@ def scenario(group: str) -> Callable[[Callable[[int], None]], Callable[[int], No
 
 def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], kind: AxisType) -> Any:
     return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape))
-
-
-def check(condition: Any, message: str) -> None:
-    if not condition:
-        raise AssertionError(message)
 
 
 def is_key(x: Any) -> bool:
@@ -565,26 +555,8 @@ def training_step(process: int) -> None:
 
 
 def main() -> None:
-    port, process, count, group = sys.argv[1:5]
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
-    jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}",
-        num_processes=int(count),
-        process_id=int(process),
-    )
-    if jax.device_count() != NUM_PROCESSES * LOCAL_DEVICES:
-        raise RuntimeError(f"expected 8 devices over 2 processes, got {jax.devices()}")
-    for name, fn in SCENARIOS[group].items():
-        start = time.perf_counter()
-        try:
-            fn(int(process))
-            report = {"ok": True, "error": None}
-        except Exception:
-            report = {"ok": False, "error": traceback.format_exc()}
-        report["seconds"] = round(time.perf_counter() - start, 2)
-        print(json.dumps({"scenario": name, "process": int(process), **report}), flush=True)
-    jax.distributed.shutdown()
+    process, (group,) = join(sys.argv)
+    run_scenarios(SCENARIOS[group], process)
 
 
 if __name__ == "__main__":
