@@ -10,6 +10,7 @@ from ._checkpoint import (
 from ._describe import LeafRow as LeafRow, ShardingTable as ShardingTable, describe as describe
 from ._fsdp import fsdp as fsdp
 from ._get import filter_get as filter_get
+from ._initialize import initialize as initialize
 from ._like import like as like
 from ._logical import logical as logical
 from ._map import filter_map as filter_map
@@ -23,7 +24,7 @@ from ._rules import (
     first as first,
     path_rules as path_rules,
 )
-from ._setup import SetupReport as SetupReport, check_setup as check_setup, initialize as initialize
+from ._setup import SetupReport as SetupReport, check_setup as check_setup
 from ._shard import filter_replicate as filter_replicate, filter_shard as filter_shard
 from ._shard_map import filter_shard_map as filter_shard_map
 from ._stream import filter_stream as filter_stream

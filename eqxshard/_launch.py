@@ -1,6 +1,6 @@
 """`python -m eqxshard.launch`: N processes of one script on this machine, as a cluster would.
 
-Each process gets the variables `eqxshard.initialize()` reads (see `_setup.py`): the
+Each process gets the variables `eqxshard.initialize()` reads (see `_initialize.py`): the
 coordinator on 127.0.0.1 and a free port, the process count and its own id, plus JAX's
 own variables for CPU devices and gloo collectives. The launcher forwards every line the
 processes print with a `[i] ` prefix, and ends the run as one: when a process exits with
@@ -25,7 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from ._setup import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
+from ._initialize import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
 # How often the launcher looks at its processes, and how long a SIGTERM has before SIGKILL.
 _POLL_S = 0.05

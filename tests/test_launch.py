@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import eqxshard
-from eqxshard import _launch, _setup
+from eqxshard import _initialize, _launch
 
 # Only stops a run that hangs; the runs here take seconds.
 HANG_S = 120
@@ -71,9 +71,9 @@ def test_process_env():
         {"HOME": "/x"}, process_id=1, num_processes=3, port=1234, devices_per_process=4
     )
     assert env["HOME"] == "/x"
-    assert env[_setup.COORDINATOR_VAR] == "127.0.0.1:1234"
-    assert env[_setup.NUM_PROCESSES_VAR] == "3"
-    assert env[_setup.PROCESS_ID_VAR] == "1"
+    assert env[_initialize.COORDINATOR_VAR] == "127.0.0.1:1234"
+    assert env[_initialize.NUM_PROCESSES_VAR] == "3"
+    assert env[_initialize.PROCESS_ID_VAR] == "1"
     assert env["JAX_NUM_CPU_DEVICES"] == "4"
     assert env["JAX_PLATFORMS"] == "cpu"
     assert env["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"

@@ -10,9 +10,13 @@ import jax
 import pytest
 
 import eqxshard
-from eqxshard import _compat, _setup
+from eqxshard import _compat, _initialize
 
-LAUNCHER_VARS = (_setup.PROCESS_ID_VAR, _setup.NUM_PROCESSES_VAR, _setup.COORDINATOR_VAR)
+LAUNCHER_VARS = (
+    _initialize.PROCESS_ID_VAR,
+    _initialize.NUM_PROCESSES_VAR,
+    _initialize.COORDINATOR_VAR,
+)
 
 
 def test_report_says_what_jax_sees():
@@ -127,9 +131,9 @@ def test_single_process_joins_nothing(recorder, monkeypatch):
 
 def test_launcher_variables(recorder, monkeypatch):
     monkeypatch.setattr(_compat, "detected_cluster", lambda: "SlurmCluster")  # not used
-    monkeypatch.setenv(_setup.COORDINATOR_VAR, "127.0.0.1:4321")
-    monkeypatch.setenv(_setup.NUM_PROCESSES_VAR, "3")
-    monkeypatch.setenv(_setup.PROCESS_ID_VAR, "2")
+    monkeypatch.setenv(_initialize.COORDINATOR_VAR, "127.0.0.1:4321")
+    monkeypatch.setenv(_initialize.NUM_PROCESSES_VAR, "3")
+    monkeypatch.setenv(_initialize.PROCESS_ID_VAR, "2")
     hook = sys.excepthook
     assert eqxshard.initialize(heartbeat_timeout_seconds=7) == "eqxshard.launch"
     assert recorder.calls == [
@@ -153,24 +157,24 @@ def test_detected_cluster_initializes_without_arguments(recorder, monkeypatch):
 
 def test_coordinator_address_alone_is_left_to_jax(recorder, monkeypatch):
     monkeypatch.setattr(_compat, "detected_cluster", lambda: None)
-    monkeypatch.setenv(_setup.COORDINATOR_VAR, "10.0.0.1:1234")
+    monkeypatch.setenv(_initialize.COORDINATOR_VAR, "10.0.0.1:1234")
     assert eqxshard.initialize() == "JAX_COORDINATOR_ADDRESS"
     assert recorder.calls == [{}]
 
 
 def test_already_initialized(recorder, monkeypatch):
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
-    monkeypatch.setenv(_setup.PROCESS_ID_VAR, "0")
+    monkeypatch.setenv(_initialize.PROCESS_ID_VAR, "0")
     assert eqxshard.initialize() == "already initialized"
     assert recorder.calls == []
 
 
 def test_launcher_variables_incomplete(recorder, monkeypatch):
-    monkeypatch.setenv(_setup.PROCESS_ID_VAR, "1")
+    monkeypatch.setenv(_initialize.PROCESS_ID_VAR, "1")
     with pytest.raises(ValueError, match=r"not EQXSHARD_NUM_PROCESSES, JAX_COORDINATOR_ADDRESS"):
         eqxshard.initialize()
-    monkeypatch.setenv(_setup.NUM_PROCESSES_VAR, "two")
-    monkeypatch.setenv(_setup.COORDINATOR_VAR, "127.0.0.1:4321")
+    monkeypatch.setenv(_initialize.NUM_PROCESSES_VAR, "two")
+    monkeypatch.setenv(_initialize.COORDINATOR_VAR, "127.0.0.1:4321")
     with pytest.raises(ValueError, match=r"EQXSHARD_NUM_PROCESSES='two' is not an integer"):
         eqxshard.initialize()
     assert recorder.calls == []
