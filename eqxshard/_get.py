@@ -66,7 +66,8 @@ def filter_get(tree: PyTree) -> PyTree:
         i: jax.random.key_data(flat.leaves[i]) if i in keys else flat.leaves[i] for i in arrays
     }
     remote = [i for i in arrays if not _addressable(values[i])]
-    local = [i for i in arrays if i not in set(remote)]
+    remote_set = set(remote)
+    local = [i for i in arrays if i not in remote_set]
     out: dict[int, Any] = {}
     if remote:
         gathered = _compat.process_allgather([values[i] for i in remote], tiled=True)

@@ -196,7 +196,8 @@ def _put_concrete(
         for i, s in shardings.items()
         if not s.is_fully_addressable and _multihost.is_process_local(flat.leaves[i])
     ]
-    local = [i for i in shardings if i not in set(to_global)]
+    global_ = set(to_global)
+    local = [i for i in shardings if i not in global_]
     out: dict[int, Any] = {}
     if to_global:
         host = [_multihost.to_host(flat.leaves[i]) for i in to_global]

@@ -115,7 +115,7 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
         shardings = {
             i: s.with_memory_kind(memory_kind) if s is not None else s for i, s in shardings.items()
         }
-    placed = _place.place("filter_put", flat, {i: s for i, s in shardings.items() if s})
+    placed = _place.place("filter_put", flat, {i: s for i, s in shardings.items() if s is not None})
     if memory_kind is not None:  # traced leaves with no known layout: JAX keeps it
         for i, s in shardings.items():
             if s is None:

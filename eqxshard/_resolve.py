@@ -195,7 +195,8 @@ def resolve(
                 "Pass a mesh (`target=mesh`), or set one with `jax.set_mesh(mesh)`.",
             )
         )
-    for (header, fix), rows in rule_errors.items():
+    if rule_errors:  # the first kind of rule failure, with every leaf that has it
+        (header, fix), rows = next(iter(rule_errors.items()))
         raise ValueError(leaf_error(f"`{verb}` {header}", rows, fix))
     layouts.update((i, (s.mesh, s.spec)) for i, s in out.items() if isinstance(s, NamedSharding))
     shapes = _multihost.shapes_to_check(

@@ -182,8 +182,9 @@ def test_failure_ends_the_others(tmp_path, capfd):
     assert gone(int((tmp_path / "pid0").read_text()))
 
 
-def test_timeout_ends_every_process(tmp_path, capfd):
-    child = script(
+def sleeper(tmp_path):
+    """A child that writes its pid to `tmp_path/pid<i>` and sleeps until it is ended."""
+    return script(
         tmp_path,
         f"""
         import os, time
@@ -193,6 +194,10 @@ def test_timeout_ends_every_process(tmp_path, capfd):
         time.sleep(600)
         """,
     )
+
+
+def test_timeout_ends_every_process(tmp_path, capfd):
+    child = sleeper(tmp_path)
     code = _launch.launch([str(child)], num_processes=2, timeout=3, grace=0.5, env=child_env())
     _, err = capfd.readouterr()
     assert code == _launch.TIMEOUT_EXIT == 124
@@ -209,16 +214,7 @@ def test_timeout_ends_every_process(tmp_path, capfd):
     ],
 )
 def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
-    child = script(
-        tmp_path,
-        f"""
-        import os, time
-        from pathlib import Path
-        me = os.environ["EQXSHARD_PROCESS_ID"]
-        Path({str(tmp_path)!r}, "pid" + me).write_text(str(os.getpid()))
-        time.sleep(600)
-        """,
-    )
+    child = sleeper(tmp_path)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "eqxshard.launch", "-n", "2", "--", str(child)],
         cwd=tmp_path,
