@@ -1,11 +1,9 @@
 """`initialize`: join a multi-process run, as the one first call of a training script.
 
-It reads, in this order:
-- the variables `python -m eqxshard.launch` sets for each process it starts
-  (`EQXSHARD_PROCESS_ID`, `EQXSHARD_NUM_PROCESSES`, and JAX's own
-  `JAX_COORDINATOR_ADDRESS`);
-- a cluster JAX detects by itself (Slurm, Open MPI, Kubernetes, Cloud TPU pods);
-- neither: one process, nothing to join.
+What the environment says about the run is read in `_clusters.py` (`python -m
+eqxshard.launch`, Open MPI 4 and 5, MPICH, Slurm, Kubernetes, Cloud TPU pods, or one
+process); here it is passed to `jax.distributed.initialize`, and the process count the
+run ends up with is checked against the one the launcher said.
 """
 
 from __future__ import annotations
@@ -17,24 +15,26 @@ from typing import Any
 
 import jax
 
-from . import _compat
+from . import _clusters
+from ._clusters import (  # the launcher's variables, re-exported for `_launch`
+    COORDINATOR_VAR as COORDINATOR_VAR,
+    NUM_PROCESSES_VAR as NUM_PROCESSES_VAR,
+    PROCESS_ID_VAR as PROCESS_ID_VAR,
+)
 
-# What `python -m eqxshard.launch` sets for each process it starts (besides JAX's own
-# `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_CPU_DEVICES`, `JAX_PLATFORMS`, ...).
-PROCESS_ID_VAR = "EQXSHARD_PROCESS_ID"
-NUM_PROCESSES_VAR = "EQXSHARD_NUM_PROCESSES"
-COORDINATOR_VAR = "JAX_COORDINATOR_ADDRESS"
 
-
-def _int_var(name: str) -> int:
-    value = os.environ[name]
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(
-            f"The environment variable {name}={value!r} is not an integer. It is set by "
-            "`python -m eqxshard.launch`; unset it to run without the launcher."
-        ) from None
+def _check_count(join: _clusters.Join) -> None:
+    """Raises unless the run has the process count its launcher said."""
+    if join.expected is None or jax.process_count() == join.expected:
+        return
+    raise RuntimeError(
+        f"`initialize` joined a run of {jax.process_count()} processes, but the environment "
+        f"says {join.expected} ({join.how}; variables seen: {_clusters.seen_str(join.seen)}). "
+        "Each process is training with a different set of processes than the launcher "
+        "started. Call `eqxshard.initialize()` before any other JAX call and no "
+        "`jax.distributed.initialize` of your own; or, where the variables are stale "
+        "(inherited from another job), unset them."
+    )
 
 
 def _exit_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
@@ -66,11 +66,23 @@ def initialize(
     - started by `python -m eqxshard.launch`: the coordinator, process count and process
       id the launcher set for this process (CPU devices and gloo collectives are set by
       the launcher through JAX's own variables);
-    - in a cluster JAX detects (Slurm, Open MPI, Kubernetes, Cloud TPU pods): with no
+    - started by Open MPI's `mpirun` (4 or 5) or MPICH's `mpiexec` (hydra): the process
+      count and rank from `OMPI_COMM_WORLD_SIZE`/`OMPI_COMM_WORLD_RANK` or
+      `PMI_SIZE`/`PMI_RANK`. The coordinator is `JAX_COORDINATOR_ADDRESS` if set; on one
+      node, `127.0.0.1` on `JAX_COORDINATOR_PORT` or a port derived from the job's id
+      (Open MPI's `PMIX_NAMESPACE`, MPICH's `hydra_pmi_proxy` process); on several
+      nodes without `JAX_COORDINATOR_ADDRESS`, mpi4py tells it. Where several processes
+      share a node, each gets one accelerator (`local_device_ids=[local rank]`, as JAX
+      does under Slurm), unless `JAX_LOCAL_DEVICE_IDS` says otherwise;
+    - in a cluster JAX detects (Slurm's `srun`, Kubernetes, Cloud TPU pods): with no
       arguments, so that JAX reads the cluster's variables;
     - `JAX_COORDINATOR_ADDRESS` set by hand: with no arguments, so that JAX reads it;
     - none of these (e.g. `python train.py` on a laptop): nothing is called, and the run
       is one process.
+
+    Where the environment says how many processes the run has, the run must end up with
+    that many: a process that joined a run of another size (e.g. alone) raises, instead
+    of training on its own.
 
     A run that is already initialised is left as it is.
 
@@ -96,14 +108,20 @@ def initialize(
 
     **Returns:**
 
-    How the run was joined: `"eqxshard.launch"`, the name of the cluster JAX detected
-    (e.g. `"SlurmCluster"`), `"JAX_COORDINATOR_ADDRESS"`, `"already initialized"` or
+    How the run was joined: `"eqxshard.launch"`, `"Open MPI"` (5; `mpirun`),
+    `"MPICH"` (`mpiexec`; either with `" (mpi4py)"` where mpi4py told the coordinator),
+    the name of the cluster JAX detected (`"SlurmCluster"`, `"OmpiCluster"` for Open MPI
+    4, `"K8sCluster"`, ...), `"JAX_COORDINATOR_ADDRESS"`, `"already initialized"` or
     `"single process"`.
 
     **Raises:**
 
     - `ValueError`: if the launcher's variables are not integers, or `JAX_COORDINATOR_ADDRESS`
-      is missing beside them.
+      is missing beside them; if an MPI run spans several nodes and neither
+      `JAX_COORDINATOR_ADDRESS` nor mpi4py says where process 0 is; if an MPI run on one
+      node has no job id to derive the port from and no `JAX_COORDINATOR_PORT`.
+    - `RuntimeError`: if the run has another process count than the environment says
+      (the variables seen are in the message).
     - `RuntimeError`: from JAX, if a JAX computation already ran in this process.
     """
     if jax.distributed.is_initialized():
@@ -113,31 +131,11 @@ def initialize(
         timeouts["initialization_timeout"] = initialization_timeout
     if heartbeat_timeout_seconds is not None:
         timeouts["heartbeat_timeout_seconds"] = heartbeat_timeout_seconds
-    if PROCESS_ID_VAR in os.environ or NUM_PROCESSES_VAR in os.environ:
-        missing = [
-            v for v in (PROCESS_ID_VAR, NUM_PROCESSES_VAR, COORDINATOR_VAR) if v not in os.environ
-        ]
-        if missing:
-            raise ValueError(
-                f"`initialize` found some of the variables `python -m eqxshard.launch` sets "
-                f"but not {', '.join(missing)}. Start the script with the launcher, or unset "
-                f"{PROCESS_ID_VAR} and {NUM_PROCESSES_VAR}."
-            )
-        jax.distributed.initialize(
-            coordinator_address=os.environ[COORDINATOR_VAR],
-            num_processes=_int_var(NUM_PROCESSES_VAR),
-            process_id=_int_var(PROCESS_ID_VAR),
-            **timeouts,
-        )
-        how = "eqxshard.launch"
-    elif (cluster := _compat.detected_cluster()) is not None:
-        jax.distributed.initialize(**timeouts)
-        how = cluster
-    elif COORDINATOR_VAR in os.environ:  # set by hand: JAX reads it (and says what else it needs)
-        jax.distributed.initialize(**timeouts)
-        how = COORDINATOR_VAR
-    else:
+    join = _clusters.detect()
+    if join is None:
         return "single process"
+    jax.distributed.initialize(**join.kwargs, **timeouts)
+    _check_count(join)
     if exit_on_error and jax.process_count() > 1:
         sys.excepthook = _exit_on_uncaught
-    return how
+    return join.how
