@@ -247,3 +247,19 @@ def detected_cluster() -> str | None:
         if not env.opt_in_only_method and env.is_env_present():
             return env.__name__
     return None
+
+
+def abstract_mesh(
+    axis_sizes: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    axis_types: tuple[AxisType, ...] | None = None,
+) -> AbstractMesh:
+    """`AbstractMesh(axis_sizes, axis_names, axis_types)`: a mesh of any size, no devices.
+
+    The constructor takes the same arguments from jax 0.7.2 to 0.12, but its default axis
+    types changed: `Auto` up to jax 0.10, `Explicit` from 0.11 (measured on 0.12). `None`
+    here means `Auto` on every version.
+    """
+    if axis_types is None:
+        axis_types = (AxisType.Auto,) * len(axis_names)
+    return AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types)

@@ -8,7 +8,13 @@ import html
 import math
 from typing import Any
 
-from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from jax.sharding import (
+    AbstractMesh,
+    NamedSharding,
+    PartitionSpec,
+    Sharding,
+    SingleDeviceSharding,
+)
 from jaxtyping import PyTree
 
 from . import _compat
@@ -51,7 +57,8 @@ class ShardingTable:
     `print(table)` shows it in a terminal; a notebook shows it as an HTML table.
 
     - `rows`: a `LeafRow` per array leaf, in the tree's order.
-    - `bytes_per_device`: each device and the bytes of all leaves on it.
+    - `bytes_per_device`: each device and the bytes of all leaves on it. On an
+        `AbstractMesh` (no devices), each position of the mesh, `0` to its size - 1.
     - `total_bytes`: the bytes of all array leaves, each counted once.
     - `unsharded`: the largest leaves that are whole on every device of a mesh of more
         than one device (at most 5, largest first): where sharding would save most.
@@ -143,6 +150,8 @@ def format_bytes(n: int) -> str:
 
 
 def _device_name(device: Any) -> str:
+    if isinstance(device, int):  # a position of an abstract mesh
+        return f"device {device}"
     return f"{device.platform}:{device.id}"
 
 
@@ -159,10 +168,15 @@ def _spec_str(sharding: Sharding | None) -> str:
 
 def _per_device(sharding: Sharding, shape: tuple[int, ...], itemsize: int) -> dict[Any, int]:
     """The bytes of one leaf on each device of its sharding (padded shards, as XLA pads)."""
-    try:
-        devices = sharding.device_set
-    except Exception:  # an abstract mesh (inside `jit`): no devices to count
-        return {}
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
+        # No devices (a mesh to size a run before having it, or inside `jit`): each
+        # position of the mesh, 0 to size - 1, stands for a device.
+        devices = range(sharding.mesh.size)
+    else:
+        try:
+            devices = sharding.device_set
+        except Exception:  # no devices to count
+            return {}
     if isinstance(sharding, NamedSharding):
         sizes = dict(sharding.mesh.shape)
         shard = list(shape)
@@ -205,6 +219,8 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     - `tree`: any PyTree, concrete or abstract (`jax.ShapeDtypeStruct` leaves).
     - `target`: as for `filter_shard`; `None` with no `spec` reads the tree's own
         shardings.
+        An `AbstractMesh` of any size sizes a run before having its devices
+        (see docs/sizing.md).
     - `spec`: as for `filter_shard`: a `PartitionSpec`, a prefix PyTree, a callable or a
         rule.
 
@@ -257,13 +273,17 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         (r for r in rows if r.replicated and r.sharding is not None and _size(r.sharding) > 1),
         key=lambda r: -r.bytes,
     )[:UNSHARDED_SHOWN]
-    ordered = dict(sorted(per_device.items(), key=lambda item: item[0].id))
+    ordered = dict(sorted(per_device.items(), key=lambda item: _device_order(item[0])))
     return ShardingTable(
         rows=rows,
         bytes_per_device=ordered,
         total_bytes=sum(r.bytes for r in rows),
         unsharded=unsharded,
     )
+
+
+def _device_order(device: Any) -> int:
+    return device if isinstance(device, int) else device.id
 
 
 def _size(sharding: Sharding) -> int:

@@ -6,11 +6,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from helpers import MESH_KINDS, make_mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
+from eqxshard import _compat
 from eqxshard._describe import ShardingTable, describe, format_bytes
 from eqxshard._fsdp import fsdp
 from eqxshard._rules import path_rules
@@ -116,3 +118,106 @@ def test_describe_checks_like_filter_shard() -> None:
 )
 def test_format_bytes(n: int, text: str) -> None:
     assert format_bytes(n) == text
+
+
+# ------------------------------------------- sizing a run on a mesh with no devices at all
+
+
+def test_abstract_mesh_counts_bytes_on_each_position() -> None:
+    mesh = _compat.abstract_mesh((64, 8), ("data", "model"))
+    shapes = {
+        "w": jax.ShapeDtypeStruct((128, 24), jnp.float32),  # 2-D split: 2 x 3 per device
+        "odd": jax.ShapeDtypeStruct((128,), jnp.bfloat16),  # 2 of 128 on each
+        "norm": jax.ShapeDtypeStruct((24,), jnp.float32),  # replicated
+    }
+    spec = {"w": P("data", "model"), "odd": P("data"), "norm": P()}
+    table = describe(shapes, mesh, spec)
+    rows = by_path(table)
+    assert rows["w"].bytes_per_device == 2 * 3 * 4
+    assert rows["odd"].bytes_per_device == 2 * 2
+    assert rows["norm"].bytes_per_device == 24 * 4
+    assert table.bytes_per_device == dict.fromkeys(range(512), 24 + 4 + 96)
+    assert table.max_bytes_per_device == 124
+    assert "Each of the 512 devices holds 124 B." in str(table)
+    assert [r.path for r in table.unsharded] == ["norm"]
+
+
+def test_abstract_mesh_plans_as_a_concrete_one() -> None:
+    model = eqx.filter_eval_shape(lambda k: eqx.nn.MLP(8, 8, 32, 2, key=k), jax.random.key(0))
+    concrete = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    abstract = _compat.abstract_mesh((2, 4), ("data", "model"))
+    rule = path_rules([(r".*weight", P("model", "data")), (r".*", P())])
+    planned = [
+        [s.spec for s in jax.tree.leaves(eqxshard.filter_plan(model, mesh, rule))]
+        for mesh in (concrete, abstract)
+    ]
+    assert planned[0] == planned[1]
+    sizes = [describe(model, mesh, rule) for mesh in (concrete, abstract)]
+    assert [r.bytes_per_device for r in sizes[0].rows] == [
+        r.bytes_per_device for r in sizes[1].rows
+    ]
+    assert sizes[0].max_bytes_per_device == sizes[1].max_bytes_per_device
+
+
+VOCAB, WIDTH, HIDDEN, HEADS, DEPTH = 32000, 4096, 11008, 32, 32
+
+
+class Block(eqx.Module):
+    attention_norm: eqx.nn.RMSNorm
+    attention: eqx.nn.MultiheadAttention
+    mlp_norm: eqx.nn.RMSNorm
+    gate: eqx.nn.Linear
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.attention_norm = eqx.nn.RMSNorm(WIDTH, use_bias=False)
+        self.attention = eqx.nn.MultiheadAttention(HEADS, WIDTH, key=k1)
+        self.mlp_norm = eqx.nn.RMSNorm(WIDTH, use_bias=False)
+        self.gate = eqx.nn.Linear(WIDTH, HIDDEN, use_bias=False, key=k2)
+        self.up = eqx.nn.Linear(WIDTH, HIDDEN, use_bias=False, key=k3)
+        self.down = eqx.nn.Linear(HIDDEN, WIDTH, use_bias=False, key=k4)
+
+
+class Decoder(eqx.Module):
+    embed: eqx.nn.Embedding
+    layers: list[Block]
+    norm: eqx.nn.RMSNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, DEPTH + 2)
+        self.embed = eqx.nn.Embedding(VOCAB, WIDTH, key=keys[0])
+        self.layers = [Block(k) for k in keys[2:]]
+        self.norm = eqx.nn.RMSNorm(WIDTH, use_bias=False)
+        self.head = eqx.nn.Linear(WIDTH, VOCAB, use_bias=False, key=keys[1])
+
+
+def test_7b_decoder_sizes_equal_a_hand_computation() -> None:
+    """The figures of docs/sizing.md: FSDP x tensor parallel on 8, 64 and 512 devices."""
+    model = eqx.filter_eval_shape(Decoder, jax.random.key(0))
+    params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    opt_state = jax.eval_shape(optax.adam(1e-3).init, params)
+    rule = path_rules([
+        (r".*embed\.weight", P("model", "data")),
+        (r".*(query_proj|key_proj|value_proj|gate|up)\.weight", P("model", "data")),
+        (r".*(output_proj|down)\.weight", P("data", "model")),
+        (r".*head\.weight", P("model", "data")),
+        (r".*", P()),
+    ])  # fmt: skip
+    # By hand: embedding and head (vocab x width), per block 4 attention projections
+    # (width x width) and 3 MLP weights (width x hidden), all split over every device;
+    # 2 norms per block and a final one (width each), replicated.
+    split = 2 * VOCAB * WIDTH + DEPTH * (4 * WIDTH * WIDTH + 3 * WIDTH * HIDDEN)
+    norms = (2 * DEPTH + 1) * WIDTH
+    assert split + norms == 6_738_415_616
+    for devices in (8, 64, 512):
+        mesh = _compat.abstract_mesh((devices // 8, 8), ("data", "model"))
+        by_hand = 4 * split // devices + 4 * norms  # float32, every split dim divides
+        assert describe(params, mesh, rule).max_bytes_per_device == by_hand
+        # Adam: mu and nu like the parameters, and a replicated int32 step count.
+        assert describe(opt_state, mesh, rule).max_bytes_per_device == 2 * by_hand + 4
+        # Parameters, gradients, mu and nu fit in 80 GB on each of these meshes.
+        assert 4 * by_hand + 4 < 80 * 10**9
+    assert 4 * 4 * (split + norms) > 80 * 10**9  # ... and do not without sharding
