@@ -19,6 +19,7 @@ from helpers import (
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
+from eqxshard import _compat
 from eqxshard._describe import describe
 from eqxshard._fsdp import fsdp
 from eqxshard._plan import filter_init, filter_plan
@@ -168,3 +169,23 @@ def test_init_with_a_named_sharding_prefix_target() -> None:
     out = filter_init(lambda: {"a": jnp.arange(8.0), "b": jnp.ones(2)}, target)()
     assert_placed(out["a"], named(mesh, "data"), jnp.arange(8.0))
     assert_placed(out["b"], jax.sharding.SingleDeviceSharding(jax.devices()[2]), jnp.ones(2))
+
+
+def test_plan_on_an_abstract_mesh_of_512_devices() -> None:
+    """A plan for a machine one does not have: no devices, any size, the same checks."""
+    mesh = _compat.abstract_mesh((64, 8), ("data", "model"))
+    shapes = {
+        "w": jax.ShapeDtypeStruct((1024, 512), jnp.float32),
+        "b": jax.ShapeDtypeStruct((512,), jnp.float32),
+    }
+    plan = filter_plan(shapes, mesh, path_rules([("w", P("data", "model")), ("b", P("model"))]))
+    assert plan["w"] == NamedSharding(mesh, P("data", "model"))
+    assert plan["b"] == NamedSharding(mesh, P("model"))
+    assert plan["w"].mesh.size == 512
+    # fsdp over both axes: 512 parts; dim 0 (1024) is the largest that 512 divides.
+    assert filter_plan(shapes, mesh, fsdp(("data", "model"), min_size=0))["w"].spec == P(
+        ("data", "model")
+    )
+    odd = {"w": jax.ShapeDtypeStruct((100, 30), jnp.float32)}
+    with pytest.raises(ValueError, match=r"(?s)no dim is divisible by 64.*\['w'\]"):
+        filter_plan(odd, mesh, fsdp("data", min_size=0))
