@@ -200,7 +200,9 @@ def _run(
     # Broadcast arrays go to the devices once; `fun`'s other leaves are static: hashed into
     # the cache key of the compiled step and closed over (the streamed data never is).
     const_idx = [i for i, x in enumerate(leaves) if i not in ax and eqx.is_array(x)]
-    consts = jax.device_put([leaves[i] for i in const_idx], broadcast)
+    consts = [leaves[i] for i in const_idx]
+    if broadcast is not None or not all(isinstance(x, jax.Array) for x in consts):
+        consts = jax.device_put(consts, broadcast)  # (JAX arrays stay where they are)
     static = [None if i in ax or i in const_idx else x for i, x in enumerate(leaves)]
 
     def put(j: int) -> list[Any]:
@@ -230,7 +232,9 @@ def _run(
             for j in range(num_chunks):
                 result = step(pending, consts)  # runs asynchronously...
                 pending = put(j + 1) if j + 1 < num_chunks else None  # ...while this copies
-                ys, unmapped = jax.device_get(result)  # blocks until chunk `j` is done
+                # Blocks until chunk `j` is done. (`np.asarray` per leaf: measured faster
+                # than `jax.device_get` on the whole result.)
+                ys, unmapped = ([_to_host(y) for y in part] for part in result)
                 del result
                 if mapped_out is None:
                     mapped_out = [np.empty((n, *y.shape[1:]), y.dtype) for y in ys]
@@ -398,6 +402,13 @@ def filter_stream(
         return _run(fun, int(batch_size), in_axes, out_axes, mesh, progress, desc, cache, args)
 
     return streamed
+
+
+def _to_host(x: jax.Array) -> Any:
+    """`x` as NumPy (PRNG keys, which NumPy cannot hold, as they are: `jax.device_get`)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.device_get(x)
+    return np.asarray(x)
 
 
 def _label(fun: Callable[..., Any], desc: str | None) -> str:
