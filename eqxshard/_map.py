@@ -293,6 +293,15 @@ def filter_map(
             return model(x)
 
         values = evaluate(model, grid.reshape(-1, 2))  # shape (2500, 1)
+
+        # `in_axes` keyed by argument name; a collective over the mapped axis needs the
+        # whole axis in one chunk (here 2500 rows, as under `eqx.filter_vmap`).
+        centred = eqxshard.filter_map(
+            lambda model, x: model(x) - jax.lax.pmean(model(x), "rows"),
+            batch_size=2500,
+            in_axes=dict(model=None),
+            axis_name="rows",
+        )(model, grid.reshape(-1, 2))
         ```
     """
     check_batch_size(batch_size, "filter_map")

@@ -333,6 +333,8 @@ def filter_stream(
         - a callable `leaf -> int | None`; the default `eqx.if_array(0)` streams every
             array and broadcasts everything else. Other indexables need an explicit `0`.
     - `out_axes`: where the mapped axis goes in each output, as for `filter_map`.
+        (There is no `axis_name`: a stream always runs in chunks, where a collective over
+        the mapped axis cannot see every row. Use `filter_map` or reduce the results.)
     - `mesh`: a `jax.sharding.Mesh`: split each chunk's rows over all its devices.
         `None`: use the default device.
     - `progress`: `True`: show a `tqdm` progress bar when standard error is a terminal
