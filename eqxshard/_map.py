@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools as ft
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, overload
 
 import equinox as eqx
@@ -19,8 +19,11 @@ from ._mapping import (
     IF_ARRAY_0,
     _Trace,
     _vmapped_body,
+    check_axis_name_size,
     check_batch_size,
     check_mapped_leaves,
+    check_no_collectives,
+    named_in_axes,
     resolve_axes,
 )
 
@@ -51,6 +54,8 @@ def _run(
     batch_size: int | None,
     in_axes: Any,
     out_axes: Any,
+    axis_name: Any,
+    axis_size: int | None,
     remat: bool,
     name: str,
     args: tuple,
@@ -58,12 +63,22 @@ def _run(
     flat, args_def = jtu.tree_flatten_with_path(args)
     paths = ["args" + jtu.keystr(p) for p, _ in flat]
     leaves = [x for _, x in flat]
+    in_axes = named_in_axes(fun, in_axes, args, name)
     axes = resolve_axes(args, in_axes, "in_axes", name)
     ax = {i: a for i, a in enumerate(axes) if a is not None}
     idx = list(ax)
     if not idx:  # nothing to map over: exactly `filter_vmap`'s behaviour (and its errors)
-        return eqx.filter_vmap(fun, in_axes=in_axes, out_axes=out_axes)(*args)
+        vmap = eqx.filter_vmap(
+            fun, in_axes=in_axes, out_axes=out_axes, axis_name=axis_name, axis_size=axis_size
+        )
+        return vmap(*args)
     n = check_mapped_leaves(paths, leaves, ax, name)
+    if axis_size is not None and axis_size != n:
+        raise ValueError(
+            f"`{name}(axis_size={axis_size})` differs from the size {n} of the mapped axis of "
+            "the inputs. Leave `axis_size` out (it is only needed when no input is mapped), or "
+            "make them agree."
+        )
     mapped = [jnp.moveaxis(jnp.asarray(leaves[i]), ax[i], 0) for i in idx]
 
     # Rows of a sharded mapped axis stay on their device: split it into `d` blocks, one per
@@ -80,8 +95,10 @@ def _run(
         )
     m = n // d
     num_chunks, rem = divmod(m, b)
+    if axis_name is not None and num_chunks + (rem > 0) > 1:
+        check_no_collectives(fun, args_def, leaves, idx, mapped, n, axis_name, batch_size, name)
     traces: list[_Trace] = []
-    body = _vmapped_body(fun, args_def, leaves, idx, out_axes, traces, name)
+    body = _vmapped_body(fun, args_def, leaves, idx, out_axes, traces, name, axis_name)
     chunk_body = jax.checkpoint(body, prevent_cse=False) if remat else body
     rest_body = jax.checkpoint(body) if remat else body
 
@@ -161,6 +178,8 @@ def filter_map(
     batch_size: int | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
     remat: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
@@ -172,6 +191,8 @@ def filter_map(
     batch_size: int | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
     remat: bool = False,
 ) -> Callable[..., Any]: ...
 
@@ -182,12 +203,15 @@ def filter_map(
     batch_size: int | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
+    axis_name: Hashable = None,
+    axis_size: int | None = None,
     remat: bool = False,
 ) -> Any:
     """Maps `fun` like `eqx.filter_vmap`, but `batch_size` rows at a time inside one
     `jax.lax.scan`, so the memory of the temporaries is that of one chunk.
 
-    Results equal `eqx.filter_vmap(fun, in_axes=in_axes, out_axes=out_axes)(*args)`.
+    Results equal `eqx.filter_vmap(fun, in_axes=in_axes, out_axes=out_axes, axis_name=...,
+    axis_size=...)(*args)`.
     Works eagerly, under `jax.jit`, and under `jax.grad`/`jax.jacfwd`/`jax.jacrev`/`vmap`.
     Non-array leaves are passed through untouched.
 
@@ -214,13 +238,22 @@ def filter_map(
         - an int `>= 1`: any mapped size works, including `0`, fewer rows than
             `batch_size`, and a remainder.
     - `in_axes`: which axis of each input to map over, as for `eqx.filter_vmap`: a prefix
-        PyTree of the arguments tuple with
-        - an int: map over that axis;
+        PyTree of the arguments tuple, or a dict keyed by argument name (`dict(y=1)`;
+        the arguments it does not name get `eqx.if_array(0)`), with
+        - an int: map over that axis (negative ints count from the end);
         - `None`: broadcast (non-arrays must use it);
         - a callable `leaf -> int | None`, e.g. the default `eqx.if_array(0)`.
     - `out_axes`: where the mapped axis goes in each output, a prefix PyTree of the
         output with the same three forms. `None` outputs must not depend on the mapped
         rows.
+    - `axis_name`: a hashable name for the mapped axis, for collectives (`jax.lax.psum`,
+        `jax.lax.axis_index`, ...) inside `fun`. A collective over the mapped axis needs
+        all rows in one `vmap`, so it is only allowed when the map runs in one chunk
+        (`batch_size >= n`); in chunks it raises rather than reduce over one chunk.
+        Giving an `axis_name` to a `fun` that uses no collective over it is always fine.
+    - `axis_size`: the size of the mapped axis. Only needed when no input is mapped
+        (then `fun` is vmapped over `axis_size` copies, as by `eqx.filter_vmap`);
+        otherwise it must equal the mapped inputs' size.
     - `remat`: if `True`, wrap each chunk in `jax.checkpoint`, so the backward pass keeps
         only the chunk inputs and recomputes the rest: its temporaries are bounded by
         the chunk too, for about one more forward pass of compute.
@@ -231,13 +264,18 @@ def filter_map(
 
     **Raises:**
 
-    - `TypeError`: if `batch_size` is not `None` or an int; if `in_axes`/`out_axes` hold
-        something else than `None`, ints and callables; if a non-array leaf is mapped; if
-        keyword arguments are passed to the mapped function.
+    - `TypeError`: if `fun` is not callable; if `batch_size` is not `None` or an int; if
+        `in_axes`/`out_axes` hold something else than `None`, ints and callables; if
+        `in_axes` is a dict and `fun`'s signature cannot be read; if a non-array leaf is
+        mapped; if `axis_name` is not hashable or `axis_size` not an int; if keyword
+        arguments are passed to the mapped function.
     - `ValueError`: if `batch_size <= 0`; if `in_axes`/`out_axes` is not a prefix of the
-        arguments/output; if an axis is out of range, listing every such leaf; if mapped
-        leaves have different sizes, listing every mapped leaf; if `fun`'s non-array
-        outputs differ between the full chunks and the remainder.
+        arguments/output, or a dict `in_axes` names no argument; if an axis is out of
+        range, listing every such leaf; if mapped leaves have different sizes, listing
+        every mapped leaf; if `axis_size` is negative or differs from that size; if
+        `out_axes` is `None` for outputs that vary with the rows, naming each; if `fun`
+        uses a collective over `axis_name` and the map runs in more than one chunk; if
+        `fun`'s non-array outputs differ between the full chunks and the remainder.
 
     !!! Example
 
@@ -255,12 +293,28 @@ def filter_map(
             return model(x)
 
         values = evaluate(model, grid.reshape(-1, 2))  # shape (2500, 1)
+
+        # `in_axes` keyed by argument name; a collective over the mapped axis needs the
+        # whole axis in one chunk (here 2500 rows, as under `eqx.filter_vmap`).
+        centred = eqxshard.filter_map(
+            lambda model, x: model(x) - jax.lax.pmean(model(x), "rows"),
+            batch_size=2500,
+            in_axes=dict(model=None),
+            axis_name="rows",
+        )(model, grid.reshape(-1, 2))
         ```
     """
     check_batch_size(batch_size, "filter_map")
+    check_axis_name_size(axis_name, axis_size, "filter_map")
     if fun is None:
         return ft.partial(
-            filter_map, batch_size=batch_size, in_axes=in_axes, out_axes=out_axes, remat=remat
+            filter_map,
+            batch_size=batch_size,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            axis_name=axis_name,
+            axis_size=axis_size,
+            remat=remat,
         )
     if not callable(fun):
         raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")
@@ -273,6 +327,8 @@ def filter_map(
                 f"keyword arguments {sorted(kwargs)}. Pass them positionally (and give them "
                 "`in_axes=None` to broadcast them)."
             )
-        return _run(fun, batch_size, in_axes, out_axes, remat, "filter_map", args)
+        return _run(
+            fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", args
+        )
 
     return mapped

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+import re
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
@@ -16,6 +18,118 @@ IF_ARRAY_0 = eqx.if_array(0)  # the default of `in_axes`/`out_axes`, as in `filt
 
 def _is_none(x: Any) -> bool:
     return x is None
+
+
+def named_in_axes(fun: Callable, in_axes: Any, args: tuple, name: str) -> Any:
+    """`in_axes` as a tuple prefix of `args`: a dict keyed by argument name gives the named
+    arguments its axes and every other argument the default `eqx.if_array(0)`."""
+    if not isinstance(in_axes, dict):
+        return in_axes
+    try:
+        params = list(inspect.signature(fun).parameters)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"`{name}(in_axes=...)` is a dict keyed by argument name, but the signature of "
+            f"`fun` ({fun!r}) cannot be read. Give `in_axes` as a tuple, one entry per "
+            "argument."
+        ) from None
+    unknown = [k for k in in_axes if k not in params[: len(args)]]
+    if unknown:
+        raise ValueError(
+            f"`{name}(in_axes=...)` names {unknown}, which are not among the arguments passed "
+            f"to `fun` ({params[: len(args)]}). Key `in_axes` by the names of `fun`'s "
+            "parameters, and pass those arguments positionally."
+        )
+    return tuple(in_axes.get(p, IF_ARRAY_0) for p in params[: len(args)])
+
+
+def check_axis_name_size(axis_name: Any, axis_size: Any, name: str) -> None:
+    """Raises if `axis_name` is not hashable or `axis_size` is not `None` or an int >= 0."""
+    if not isinstance(axis_name, Hashable):
+        raise TypeError(
+            f"`{name}(axis_name=...)` must be hashable (a string, usually), got "
+            f"{type(axis_name).__name__}."
+        )
+    if axis_size is None:
+        return
+    if not _is_int(axis_size):
+        raise TypeError(
+            f"`{name}(axis_size=...)` must be `None` or an int, got {axis_size!r} of type "
+            f"{type(axis_size).__name__}."
+        )
+    if axis_size < 0:
+        raise ValueError(f"`{name}(axis_size=...)` must be >= 0, got {axis_size}.")
+
+
+def _is_axis(value: Any, axis_name: Hashable) -> bool:
+    try:
+        if isinstance(value, tuple | list):
+            return any(_is_axis(v, axis_name) for v in value)
+        return type(value) is type(axis_name) and bool(value == axis_name)
+    except Exception:
+        return False
+
+
+def _subjaxprs(value: Any) -> list[Any]:
+    if isinstance(value, tuple | list):
+        return [j for v in value for j in _subjaxprs(v)]
+    if hasattr(value, "eqns"):
+        return [value]
+    if hasattr(getattr(value, "jaxpr", None), "eqns"):
+        return [value.jaxpr]
+    return []
+
+
+def _uses_axis(jaxpr: Any, axis_name: Hashable) -> list[str]:
+    found = []
+    for eqn in jaxpr.eqns:
+        for key, value in eqn.params.items():
+            if "ax" in key and _is_axis(value, axis_name):
+                found.append(str(eqn.primitive))
+            for sub in _subjaxprs(value):
+                found.extend(_uses_axis(sub, axis_name))
+    return found
+
+
+def check_no_collectives(
+    fun: Callable,
+    args_def: Any,
+    leaves: list[Any],
+    idx: list[int],
+    rows: list[Any],
+    n: int,
+    axis_name: Hashable,
+    batch_size: int | None,
+    name: str,
+) -> None:
+    """Raises if `fun` uses a collective over `axis_name` (e.g. `psum`, `axis_index`): in
+    chunks it would only see the rows of one chunk, not all `n` rows as under `vmap`.
+
+    `rows` are the mapped leaves with the mapped axis first."""
+
+    def row_fun(row: list[Any], rest: list[Any]) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(idx, row, strict=True):
+            full[i] = x
+        for i, x in zip(rest_idx, rest, strict=True):
+            full[i] = x
+        return [
+            x for x in jtu.tree_leaves(fun(*jtu.tree_unflatten(args_def, full))) if eqx.is_array(x)
+        ]
+
+    rest_idx = [i for i, x in enumerate(leaves) if i not in idx and eqx.is_array(x)]
+    row = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in rows]
+    rest = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in rest_idx]
+    jaxpr = jax.make_jaxpr(row_fun, axis_env=[(axis_name, n)])(row, rest)
+    found = sorted(set(_uses_axis(jaxpr.jaxpr, axis_name)))
+    if found:
+        raise ValueError(
+            f"`{name}(axis_name={axis_name!r})`: `fun` uses collectives over the mapped axis "
+            f"({', '.join(found)}), but `batch_size={batch_size}` maps the {n} rows in chunks, "
+            "and a collective in a chunk would see only that chunk's rows, giving other values "
+            f"than `eqx.filter_vmap`. Pass `batch_size` >= {n} (one chunk), use "
+            "`eqx.filter_vmap`, or return per-row values and reduce them after the map."
+        )
 
 
 def check_batch_size(batch_size: Any, name: str, *, allow_none: bool = True) -> None:
@@ -117,8 +231,11 @@ def check_mapped_leaves(
 class _Trace:
     """What one trace of `fun` returned besides mapped arrays: structure and statics."""
 
-    def __init__(self, treedef: Any, axes: list[_Axis], statics: list[Any]):
+    def __init__(
+        self, treedef: Any, axes: list[_Axis], statics: list[Any], unmapped_paths: list[str]
+    ):
         self.treedef, self.axes, self.statics = treedef, axes, statics
+        self.unmapped_paths = unmapped_paths
 
     def same_as(self, other: _Trace) -> bool:
         if self.treedef != other.treedef or self.axes != other.axes:
@@ -141,6 +258,7 @@ def _vmapped_body(
     out_axes: Any,
     traces: list[_Trace],
     name: str,
+    axis_name: Hashable = None,
 ) -> Callable:
     """`vmap` of `fun` over the mapped leaves (at `idx`, mapped axis first)."""
 
@@ -175,11 +293,54 @@ def _vmapped_body(
                 + "\nGive non-array outputs `out_axes=None` (the default `eqx.if_array(0)` does)."
             )
         statics = [None if eqx.is_array(x) else x for x in out_leaves]
-        traces.append(_Trace(jtu.tree_structure(out), axes, statics))
-        mapped_out = [x for x, a in zip(out_leaves, axes, strict=True) if a is not None]
-        unmapped = [
-            x for x, a in zip(out_leaves, axes, strict=True) if a is None and eqx.is_array(x)
+        unmapped_at = [
+            i
+            for i, (x, a) in enumerate(zip(out_leaves, axes, strict=True))
+            if a is None and eqx.is_array(x)
         ]
-        return mapped_out, unmapped
+        unmapped_paths = ["out" + jtu.keystr(out_paths[i]) for i in unmapped_at]
+        traces.append(_Trace(jtu.tree_structure(out), axes, statics, unmapped_paths))
+        mapped_out = [x for x, a in zip(out_leaves, axes, strict=True) if a is not None]
+        return mapped_out, [out_leaves[i] for i in unmapped_at]
 
-    return jax.vmap(call, in_axes=(0,), out_axes=(0, None))
+    def vmapped(unmapped_axes: Any) -> Callable:
+        return jax.vmap(call, in_axes=(0,), out_axes=(0, unmapped_axes), axis_name=axis_name)
+
+    def run(mapped: list[Any]) -> tuple[list[Any], list[Any]]:
+        try:
+            return vmapped(None)(mapped)
+        except ValueError as e:
+            varying = _varying_unmapped(e, vmapped, mapped, traces)
+            if not varying:
+                raise
+            error = e
+        raise ValueError(
+            f"`{name}(out_axes=...)` is `None` for these outputs, but they vary with the "
+            f"mapped rows:\n  " + "\n  ".join(varying) + "\nGive them an int `out_axes` "
+            "(e.g. `0`), or compute them outside the mapped function."
+        ) from error
+
+    return run
+
+
+def _varying_unmapped(
+    error: ValueError, vmapped: Callable, mapped: list[Any], traces: list[_Trace]
+) -> list[str]:
+    """The paths of the `out_axes=None` outputs that vary with the mapped rows, found by
+    reading the index JAX names and tracing again with it mapped, until JAX is content."""
+    varying: set[int] = set()
+    while traces:
+        match = re.search(r"out_axes\[1\]\[(\d+)\]", str(error))
+        if match is None or int(match.group(1)) in varying:
+            break
+        varying.add(int(match.group(1)))
+        paths = traces[-1].unmapped_paths
+        try:
+            jax.eval_shape(
+                vmapped([0 if i in varying else None for i in range(len(paths))]), mapped
+            )
+        except ValueError as e:
+            error = e
+            continue
+        return [paths[i] for i in sorted(varying)]
+    return []

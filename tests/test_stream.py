@@ -1,3 +1,7 @@
+import functools as ft
+import io
+import sys
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -106,12 +110,40 @@ def test_other_axes_and_device_inputs():
     np.testing.assert_array_equal(out, ref)
 
 
-def test_progress_bar(capfd):
-    f = filter_stream(lambda x: x + 1, batch_size=4)
-    f(np.zeros(10))
-    assert "10/10" in capfd.readouterr().err
-    filter_stream(lambda x: x + 1, batch_size=4, progress=False)(np.zeros(10))
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_label(monkeypatch):
+    def square(x):
+        return x**2
+
+    for fun, desc, label in [
+        (square, None, "square"),
+        (lambda x: x + 1, None, "filter_stream"),
+        (ft.partial(jnp.add, 1), None, "filter_stream"),
+        (lambda x: x + 1, "scoring", "scoring"),
+    ]:
+        terminal = _Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        filter_stream(fun, batch_size=4, desc=desc)(np.zeros(10))
+        written = terminal.getvalue()
+        assert f"{label}: 100%" in written and "10/10" in written
+        assert "<lambda>" not in written
+
+
+def test_progress_bar_silent_off_terminal(capfd):
+    # `disable=None`: a log file or a pipe gets no `\r` updates at all.
+    filter_stream(lambda x: x + 1, batch_size=4)(np.zeros(10))
     assert capfd.readouterr().err == ""
+    monkeypatch_free = _Terminal()
+    sys_stderr, sys.stderr = sys.stderr, monkeypatch_free
+    try:
+        filter_stream(lambda x: x + 1, batch_size=4, progress=False)(np.zeros(10))
+    finally:
+        sys.stderr = sys_stderr
+    assert monkeypatch_free.getvalue() == ""
 
 
 def test_decorator():
@@ -182,3 +214,65 @@ def test_keyword_arguments_and_fun_type():
         filter_stream(lambda x: x, batch_size=2)(x=np.zeros(2))
     with pytest.raises(TypeError, match="must be callable"):
         filter_stream(3, batch_size=2)  # type: ignore[arg-type]
+
+
+# ---- compiled once, across calls ------------------------------------------------------
+
+_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kwargs: (
+        _COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+)
+
+
+@pytest.mark.parametrize("mesh_name", ["none", "explicit"])
+def test_second_call_compiles_nothing(mesh_name):
+    spec = MESHES[mesh_name]
+    mesh = None if spec is None else jax.make_mesh(spec[0], spec[1], axis_types=spec[2])
+    model = eqx.nn.MLP(3, 2, 8, 1, activation=jax.nn.gelu, key=jax.random.key(0))
+    traces = []
+
+    def predict(model, x, label):
+        traces.append(label)
+        return model(x), label
+
+    stream = filter_stream(
+        predict, batch_size=8, in_axes=dict(model=None), mesh=mesh, progress=False
+    )
+    rng = np.random.default_rng(0)
+    first = rng.normal(size=(20, 3)).astype(np.float32)
+    del _COMPILES[:]
+    stream(model, first, "a")
+    assert _COMPILES and len(traces) == 1  # the counter sees compiles
+    for _ in range(2):
+        data = rng.normal(size=(20, 3)).astype(np.float32)
+        del _COMPILES[:]
+        out, label = stream(model, data, "a")
+        assert _COMPILES == [] and len(traces) == 1
+        assert label == "a"
+        np.testing.assert_allclose(out, jax.vmap(model)(data), rtol=1e-5, atol=1e-6)
+    # A different static leaf, a different model (same shapes) and a different row count.
+    stream(model, first, "b")
+    assert len(traces) == 2
+    other = eqx.nn.MLP(3, 2, 8, 1, activation=jax.nn.gelu, key=jax.random.key(1))
+    del _COMPILES[:]
+    out, _ = stream(other, first, "a")
+    assert _COMPILES == [] and len(traces) == 2
+    np.testing.assert_allclose(out, jax.vmap(other)(first), rtol=1e-5, atol=1e-6)
+    stream(model, first[:5], "a")  # padded to one chunk of 8 either way: no new trace
+    assert len(traces) == 2
+    stream(model, first.astype(np.float16), "a")  # another dtype: a new trace
+    assert len(traces) == 3
+
+
+def test_unhashable_static_still_works():
+    class Unhashable:
+        __hash__ = None
+
+        def __init__(self, k):
+            self.k = k
+
+    stream = filter_stream(lambda x, u: x * u.k, batch_size=4, progress=False)
+    np.testing.assert_array_equal(stream(np.arange(6.0), Unhashable(2)), 2 * np.arange(6.0))
+    np.testing.assert_array_equal(stream(np.arange(6.0), Unhashable(3)), 3 * np.arange(6.0))
