@@ -81,7 +81,7 @@ def filter_get(tree: PyTree) -> PyTree:
             "filter_get",
             [_multihost.leaf_entry(flat.paths[i], values[i]) for i in remote],
             {
-                pathstr(p): "on this process only"
+                pathstr(p): "an array on this process only"
                 for i, p in enumerate(flat.paths)
                 if i not in chosen
             },

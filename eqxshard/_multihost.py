@@ -176,9 +176,10 @@ def _mismatch_message(verb: str, seen: list[dict[str, Any]], *, process_local: b
             if verb == "filter_get":
                 fix = "Call `filter_get` on the same tree on every process."
         return leaf_error(header, rows, fix)
+    done = "gathered" if verb == "filter_get" else "placed"
     fix = (
         "Pass the same tree (the same structure, shapes and dtypes of the array leaves) on "
-        "every process; nothing was placed on any process."
+        f"every process; nothing was {done} on any process."
     )
     if not rows:  # the same leaves, but some processes could not resolve the call
         failures = "\n".join(
@@ -191,14 +192,13 @@ def _mismatch_message(verb: str, seen: list[dict[str, Any]], *, process_local: b
     what = " and ".join(k for k in ("tree structures", "shapes", "dtypes") if k in kinds)
     header = (
         f"`{verb}` was given different {what} on different processes, for the array leaves "
-        "it places across processes:"
+        f"it {'gathers' if verb == 'filter_get' else 'places'} across processes:"
     )
     return leaf_error(header, rows, fix)
 
 
 def _absent(seen: dict[str, Any], path: str) -> str:
-    other = seen["others"].get(path)
-    return f"no array to place ({other})" if other else "no such leaf"
+    return seen["others"].get(path) or "no such leaf"
 
 
 def global_shapes(

@@ -20,7 +20,7 @@ def _backend_sharding(name: str) -> Sharding:
     if not devices:
         known = sorted({d.platform for d in jax.devices()} | {jax.default_backend()})
         raise ValueError(
-            f"`filter_put` got the backend {name!r}, which this process does not have. "
+            f"`filter_put` got `target`={name!r}, a backend this process does not have. "
             f"Backends here: {known}. Pass one of them, a `jax.Device` or a `Sharding`."
         )
     return SingleDeviceSharding(devices[0])

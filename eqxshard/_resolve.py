@@ -142,7 +142,9 @@ def _check_same_leaves(
     chosen = set(indices)
     entries = [_multihost.leaf_entry(flat.paths[i], flat.leaves[i]) for i in indices]
     others = {
-        pathstr(flat.paths[i]): ("left alone" if flat.is_array[i] else type(x).__name__)
+        pathstr(flat.paths[i]): (
+            "an array left alone" if flat.is_array[i] else f"{type(x).__name__} (not an array)"
+        )
         for i, x in enumerate(flat.leaves)
         if i not in chosen
     }

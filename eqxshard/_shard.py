@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
@@ -71,7 +72,8 @@ def filter_shard(
 
     **Raises:**
 
-    - `TypeError`: for a `target` or `spec` of the wrong type, or a `spec` given with a
+    - `TypeError`: for a `target` or `spec` of the wrong type, a non-bool
+        `process_local` or `check_consistent`, or a `spec` given with a
         `Sharding`/`Device` target; naming every such leaf, for array leaves of a dtype
         JAX has no arrays of (NumPy strings, bytes, objects, datetimes, records).
     - `ValueError`: naming every failing leaf by path, when a prefix tree does not match
@@ -113,6 +115,12 @@ def filter_shard(
             return jax.vmap(model)(x)
         ```
     """
+    for name, flag in (("process_local", process_local), ("check_consistent", check_consistent)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"`filter_shard` takes `{name}` as a bool, but got {flag!r} of type "
+                f"{type(flag).__name__}. Pass `{name}=True` or `{name}=False`."
+            )
     flat = Flat(tree)
     target = _resolve.UNSET if target is None else target
     spec = _resolve.UNSET if spec is None else spec

@@ -351,7 +351,7 @@ def _cases(kind: str) -> dict[str, Case]:
         "filter_put to an unknown backend": Case(
             lambda: eqxshard.filter_put(tree, "not_a_backend"),
             ValueError,
-            "got the backend 'not_a_backend', which this process does not have",
+            "got `target`='not_a_backend', a backend this process does not have",
             (repr(jax.devices()[0].platform),),
             "Pass one of them, a `jax.Device` or a `Sharding`",
         ),
