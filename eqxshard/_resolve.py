@@ -106,11 +106,22 @@ def resolve(
         out = _resolve_here(verb, flat, target, spec, resolve_str, process_local)
     except (TypeError, ValueError) as e:
         indices = [i for i in flat.array_indices if not _compat.is_tracer(flat.leaves[i])]
-        _check_same_leaves(verb, flat, indices, process_local=process_local, failed=str(e))
+        _check_same_leaves(
+            verb, flat, indices, process_local=process_local, failed=str(e), local=set()
+        )
         raise
-    indices = [i for i in out if not _compat.is_tracer(flat.leaves[i])]
-    _check_same_leaves(verb, flat, indices, process_local=process_local, failed=None)
+    # Only leaves bound for devices of several processes: others take part in no collective.
+    indices = [i for i, s in out.items() if _spans(s) and not _compat.is_tracer(flat.leaves[i])]
+    _check_same_leaves(
+        verb, flat, indices, process_local=process_local, failed=None, local=set(out)
+    )
     return out
+
+
+def _spans(sharding: Sharding) -> bool:
+    if isinstance(sharding, NamedSharding):
+        return isinstance(sharding.mesh, Mesh) and sharding.mesh.is_multi_process
+    return not sharding.is_fully_addressable
 
 
 def must_sync(target: Any, *, process_local: bool, check_consistent: bool) -> bool:
@@ -137,16 +148,26 @@ def must_sync(target: Any, *, process_local: bool, check_consistent: bool) -> bo
 
 
 def _check_same_leaves(
-    verb: str, flat: Flat, indices: list[int], *, process_local: bool, failed: str | None
+    verb: str,
+    flat: Flat,
+    indices: list[int],
+    *,
+    process_local: bool,
+    failed: str | None,
+    local: set[int],
 ) -> None:
+    """`_multihost.check_same_leaves` for the leaves `indices`; `local` are the other
+    leaves placed, on this process's devices only (described as such in a message)."""
     chosen = set(indices)
     entries = [_multihost.leaf_entry(flat.paths[i], flat.leaves[i]) for i in indices]
+
+    def other(i: int, x: Any) -> str:
+        if not flat.is_array[i]:
+            return f"{type(x).__name__} (not an array)"
+        return "an array placed on this process only" if i in local else "an array left alone"
+
     others = {
-        pathstr(flat.paths[i]): (
-            "an array left alone" if flat.is_array[i] else f"{type(x).__name__} (not an array)"
-        )
-        for i, x in enumerate(flat.leaves)
-        if i not in chosen
+        pathstr(flat.paths[i]): other(i, x) for i, x in enumerate(flat.leaves) if i not in chosen
     }
     _multihost.check_same_leaves(verb, entries, others, process_local=process_local, failed=failed)
 

@@ -116,6 +116,24 @@ def process_local_parts_of_different_structure(process: int) -> None:
 
 
 @scenario
+def leaves_placed_on_local_devices_may_differ(process: int) -> None:
+    """Only leaves bound for several processes are compared: a leaf each process puts on
+    its own device may differ, and a leaf that does so on one process only is named."""
+    mine = np.zeros(3 + process, np.float32)  # a per-process array
+    tree = {"x": X, "mine": mine}
+    target = {"x": mesh8(), "mine": jax.local_devices()[0]}
+    out = eqxshard.filter_shard(tree, target)
+    check(out["mine"].shape == (3 + process,), "the local leaf was placed as given")
+    check(not out["x"].is_fully_addressable, "x spans both processes")
+    target = {"x": mesh8(), "mine": mesh8() if process == 0 else jax.local_devices()[0]}
+    tree = {"x": X, "mine": np.zeros(3, np.float32)}
+    raises(
+        lambda: eqxshard.filter_shard(tree, target),
+        ["['mine']", "process 0: float32 (3,)", "process 1: an array placed on this process only"],
+    )
+
+
+@scenario
 def an_error_on_one_process_only(process: int) -> None:
     """Process 1 names an axis the mesh lacks, so it alone fails to resolve: it still
     takes part in the check, and both raise."""
