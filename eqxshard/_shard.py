@@ -61,10 +61,15 @@ def filter_shard(
         local part (e.g. its slice of a batch) and the parts together make one global
         array: the global size of each dim split across processes is the sum of the
         local sizes. Outside `jit` only; needs a mesh target.
-    - `check_consistent`: with several processes and `process_local=False`, host data is
-        checked to be identical on every process (a shape hash and a checksum per leaf,
-        two small collectives per call), as different data would silently diverge.
-        `False` skips both.
+    - `check_consistent`: with several processes and a target that spans them, every
+        process is checked to pass the same tree (one fixed-size digest of the paths,
+        shapes and dtypes of the leaves placed across processes; also with
+        `process_local=True`, where local shapes must agree), and host data passed with
+        `process_local=False` to be identical on every process (a checksum per leaf), as
+        different data would silently diverge: two small collectives per call, on every
+        process that makes the call. `False` skips both, except the digest with
+        `process_local=True` (then every process must pass the same tree, or the run may
+        hang).
 
     **Returns:**
 
