@@ -16,9 +16,9 @@ import eqxshard
 
 from . import Case
 
-_mesh = jax.make_mesh((2, 4), ("data", "model"))
+_mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 _auto = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-_mesh4 = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+_mesh4 = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:4])
 _cpu0 = jax.devices()[0]
 
 

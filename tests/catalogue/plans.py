@@ -8,13 +8,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqxshard
 
 from . import Case
 
-_mesh = jax.make_mesh((2, 4), ("data", "model"))
+_mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 _abstract = {
     "w": jax.ShapeDtypeStruct((8, 4), jnp.float32),
     "b": jax.ShapeDtypeStruct((4,), jnp.float32),
