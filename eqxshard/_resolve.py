@@ -104,10 +104,11 @@ def resolve(
         return _resolve_here(verb, flat, target, spec, resolve_str, process_local)
     try:
         out = _resolve_here(verb, flat, target, spec, resolve_str, process_local)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # also a user's callable spec failing on this process only
         indices = [i for i in flat.array_indices if not _compat.is_tracer(flat.leaves[i])]
+        failed = f"{type(e).__name__}: {e}"
         _check_same_leaves(
-            verb, flat, indices, process_local=process_local, failed=str(e), local=set()
+            verb, flat, indices, process_local=process_local, failed=failed, local=set()
         )
         raise
     # Only leaves bound for devices of several processes: others take part in no collective.

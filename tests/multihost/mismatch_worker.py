@@ -146,6 +146,26 @@ def an_error_on_one_process_only(process: int) -> None:
 
 
 @scenario
+def a_callable_spec_failing_on_one_process(process: int) -> None:
+    """Every process raises the same `ValueError`, naming process 1's own exception
+    (which is its context on process 1)."""
+
+    def spec(path: Any, x: Any) -> P:
+        if process == 1:
+            raise KeyError("no spec for this leaf")
+        return P("data")
+
+    try:
+        eqxshard.filter_shard({"x": X}, mesh8(), spec)
+    except ValueError as e:
+        check("process 1: KeyError: 'no spec for this leaf'" in str(e), str(e))
+        check("process 0:" not in str(e), str(e))
+        check(isinstance(e.__context__, KeyError) == (process == 1), repr(e.__context__))
+    else:
+        raise AssertionError("nothing raised")
+
+
+@scenario
 def plans_of_different_shapes(process: int) -> None:
     rows = 8 if process == 0 else 16
     tree = {"w": jax.ShapeDtypeStruct((rows, 2), jnp.float32)}
