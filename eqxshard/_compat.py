@@ -152,6 +152,17 @@ def is_prng_key(x: Any) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
+def is_jax_dtype(dtype: Any) -> bool:
+    """Whether JAX has arrays of `dtype`: booleans, numbers (bfloat16, float8 and int4
+    included) and extended dtypes such as PRNG keys; not strings, bytes, objects,
+    datetimes, timedeltas or records, which NumPy arrays can hold."""
+    if jnp.issubdtype(dtype, jax.dtypes.extended):
+        return True
+    if np.dtype(dtype).kind in "USOMm":  # timedelta64 counts as a NumPy integer
+        return False
+    return bool(jnp.issubdtype(dtype, np.bool_) or jnp.issubdtype(dtype, np.number))
+
+
 def tracing() -> bool:
     """Whether a transformation (`jit`, `vmap`, `grad`, ...) is tracing right now.
 

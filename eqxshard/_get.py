@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from . import _compat
+from . import _compat, _multihost
 from ._tree import Flat, leaf_error, pathstr
 
 
@@ -19,7 +19,9 @@ def filter_get(tree: PyTree) -> PyTree:
     devices of several processes (hosts), every process gets the full global value.
     Addressable arrays are fetched with one batched `jax.device_get`; arrays that span
     other processes with one `process_allgather` (a collective: every process must call
-    `filter_get` on the same tree). Non-array leaves are returned unchanged.
+    `filter_get` on the same tree; a tree whose arrays spanning processes differ between
+    processes raises on every process, before the gather). Non-array leaves (NumPy string
+    arrays included) are returned unchanged.
 
     PRNG key arrays (`jax.random.key`) have no NumPy form; they come back as key arrays
     on this process's default device, holding the full global value.
@@ -36,6 +38,8 @@ def filter_get(tree: PyTree) -> PyTree:
 
     - `TypeError`: if a leaf is traced (`filter_get` inside `jax.jit`, `vmap` or `grad`):
         there is no value to fetch while tracing.
+    - `ValueError`: with several processes, if the arrays that span processes differ
+        between them (paths, shapes or dtypes), naming them with what each process passed.
 
     !!! Example
 
@@ -70,6 +74,19 @@ def filter_get(tree: PyTree) -> PyTree:
     local = [i for i in arrays if i not in remote_set]
     out: dict[int, Any] = {}
     if remote:
+        # Every process gathers the same arrays, or none gathers: one fixed-size digest of
+        # these leaves first, so that different trees raise rather than mismatch.
+        chosen = set(remote)
+        _multihost.check_same_leaves(
+            "filter_get",
+            [_multihost.leaf_entry(flat.paths[i], values[i]) for i in remote],
+            {
+                pathstr(p): "an array on this process only"
+                for i, p in enumerate(flat.paths)
+                if i not in chosen
+            },
+            process_local=False,
+        )
         gathered = _compat.process_allgather([values[i] for i in remote], tiled=True)
         out.update((i, np.asarray(g)) for i, g in zip(remote, gathered, strict=True))
     if local:

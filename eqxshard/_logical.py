@@ -116,4 +116,4 @@ def logical(spec: Any, mapping: Mapping[str, str | tuple[str, ...] | None]) -> L
             "`logical` takes `mapping` as {logical name: mesh axis name, tuple of them, or "
             f"None}}, but got: {', '.join(bad)}."
         )
-    return Logical(as_rule(spec), dict(mapping))
+    return Logical(as_rule(spec, "logical"), dict(mapping))

@@ -1,13 +1,17 @@
 """What placement needs when a sharding spans several processes (hosts).
 
-Two cheap cross-process checks, each one small collective for the whole tree:
-- host data must have the same shape on every process (its local part's shape, with
-  `process_local=True`): a hash per leaf, checked before anything else looks at shapes;
-- host data passed as global must be identical on every process (a per-leaf checksum).
+Two cheap cross-process checks, in this order:
+- every process must pass the same leaves (paths, dtypes and shapes, local shapes with
+  `process_local=True`): one fixed-size digest per process, so that it cannot mismatch
+  across processes however different their trees are (`check_same_leaves`);
+- only then, host data passed as global must be identical on every process (a
+  checksum per leaf, one collective whose size the first check made the same everywhere).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -81,95 +85,143 @@ def check_identical(verb: str, paths: Sequence[Path], host: Sequence[np.ndarray]
         )
 
 
-def _shape_hash(shape: tuple[int, ...]) -> int:
-    return zlib.crc32(repr(tuple(int(d) for d in shape)).encode())
+def leaf_entry(path: Path, x: Any) -> tuple[str, str, list[int]]:
+    """A leaf as the cross-process checks compare it: its path, dtype and shape."""
+    return pathstr(path), str(x.dtype), [int(d) for d in x.shape]
 
 
-def check_same_shapes(
-    verb: str, paths: Sequence[Path], shapes: Sequence[tuple[int, ...]], *, process_local: bool
-) -> None:
-    """Raises unless every process passed the same shape for each leaf.
-
-    One small collective (a hash per leaf); only when shapes differ, a second one
-    gathers them for the message (every process sees the difference, so all take it).
-    """
-    hashes = np.array([_shape_hash(shape) for shape in shapes], dtype=np.int64)
-    everywhere = _compat.allgather_host(hashes)
-    if (everywhere == everywhere[:1]).all():
-        return
-    ranks = _compat.allgather_host(np.array([len(shape) for shape in shapes], dtype=np.int64))
-    width = int(ranks.max(initial=0))
-    table = np.full((len(shapes), width + 1), -1, dtype=np.int64)
-    for j, shape in enumerate(shapes):
-        table[j, 0] = len(shape)
-        table[j, 1 : 1 + len(shape)] = shape
-    gathered = _compat.allgather_host(table)
-    rows = []
-    for j, path in enumerate(paths):
-        per_process = gathered[:, j]
-        if (per_process != per_process[0]).any():
-            seen = ", ".join(
-                f"process {p}: {shape_str(tuple(int(d) for d in row[1 : 1 + row[0]]))}"
-                for p, row in enumerate(per_process)
-            )
-            rows.append((pathstr(path), seen))
-    if process_local:
-        header = (
-            f"`{verb}` with `process_local=True` needs the same local shape on every "
-            "process, but got:"
-        )
-        fix = (
-            "Give every process a local part of the same shape (e.g. the same per-process "
-            "batch size), padding the last batch if needed."
-        )
-    else:
-        header = (
-            f"`{verb}` was given different shapes on different processes for leaves it must "
-            "place as one global array:"
-        )
-        fix = (
-            "Pass identical data on every process; if each process holds its own part "
-            "(e.g. its slice of a batch), pass `process_local=True`. To skip this check, "
-            "pass `check_consistent=False`."
-        )
-    raise ValueError(leaf_error(header, rows, fix))
-
-
-def shapes_to_check(
+def check_same_leaves(
     verb: str,
-    flat: Flat,
-    layouts: dict[int, tuple[Any, PartitionSpec]],
+    entries: Sequence[tuple[str, str, list[int]]],
+    others: dict[str, str],
     *,
     process_local: bool,
-    check_consistent: bool,
-) -> dict[int, tuple[int, ...]]:
-    """The shape each leaf's spec must divide, the same on every process.
+    failed: str | None = None,
+) -> None:
+    """Raises on every process unless every process passed the same leaves.
 
-    Host data bound for a mesh that spans several processes must have the same shape
-    on every process (its local part, with `process_local=True`). That is checked here,
-    before any check that looks at shapes: an error raised on one process only would
-    leave the others waiting in a collective. With `process_local=True` the shapes
-    returned are the global ones that the local parts make together.
+    `entries` are the leaves this process places across processes (path, dtype, local
+    shape), `others` describes its other leaves by path (used only in the message), and
+    `failed` is the error this process hit while resolving the call, if any. Every
+    process must call this exactly when the others do (the caller decides from the
+    call's target, never from the tree), and it issues collectives of a fixed size
+    first: one 16-byte digest of `entries` and `failed` per process. Only when the
+    digests differ (every process sees that, so all take the same path) are the leaf
+    lists themselves gathered, padded to the longest, to say what each process passed.
+    So a tree that differs between processes is an error, not a collective mismatch.
+    """
+    text = json.dumps([list(entries), failed is not None])
+    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.uint64)
+    everywhere = _compat.allgather_host(digest)
+    if (everywhere == everywhere[:1]).all():
+        return
+    payload = json.dumps({"leaves": list(entries), "others": others, "failed": failed}).encode()
+    sizes = _compat.allgather_host(np.array([len(payload)], dtype=np.int64))[:, 0]
+    padded = np.zeros(int(sizes.max()), dtype=np.uint8)
+    padded[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    gathered = _compat.allgather_host(padded)
+    seen = [json.loads(row[:n].tobytes().decode()) for row, n in zip(gathered, sizes, strict=True)]
+    raise ValueError(_mismatch_message(verb, seen, process_local=process_local))
+
+
+def _mismatch_message(verb: str, seen: list[dict[str, Any]], *, process_local: bool) -> str:
+    """What each process passed, for every leaf where they differ."""
+    tables: list[dict[str, tuple[str, tuple[int, ...]]]] = [
+        {path: (dtype, tuple(shape)) for path, dtype, shape in s["leaves"]} for s in seen
+    ]
+    order = list(dict.fromkeys(path for table in tables for path in table))
+    differ = [p for p in order if any(t.get(p) != tables[0].get(p) for t in tables)]
+    kinds: set[str] = set()
+    for path in differ:
+        values = [table.get(path) for table in tables]
+        present = [v for v in values if v is not None]
+        if len(present) < len(values):
+            kinds.add("tree structures")
+        if len({dtype for dtype, _ in present}) > 1:
+            kinds.add("dtypes")
+        if len({shape for _, shape in present}) > 1:
+            kinds.add("shapes")
+    rows = []
+    for path in differ:
+        cells = []
+        for table, s in zip(tables, seen, strict=True):
+            value = table.get(path)
+            if value is None:
+                cells.append(_absent(s, path))
+            elif kinds == {"shapes"}:
+                cells.append(shape_str(value[1]))
+            else:
+                cells.append(f"{value[0]} {shape_str(value[1])}")
+        rows.append((path, ", ".join(f"process {p}: {c}" for p, c in enumerate(cells))))
+    if kinds == {"shapes"}:  # every row so far had only its shape differ
+        if process_local:
+            header = (
+                f"`{verb}` with `process_local=True` needs the same local shape on every "
+                "process, but got:"
+            )
+            fix = (
+                "Give every process a local part of the same shape (e.g. the same per-process "
+                "batch size), padding the last batch if needed."
+            )
+        else:
+            header = (
+                f"`{verb}` was given different shapes on different processes for leaves it "
+                "must place as one global array:"
+            )
+            fix = (
+                "Pass identical data on every process; if each process holds its own part "
+                "(e.g. its slice of a batch), pass `process_local=True`. To skip this check, "
+                "pass `check_consistent=False`."
+            )
+            if verb == "filter_get":
+                fix = "Call `filter_get` on the same tree on every process."
+        return leaf_error(header, rows, fix)
+    done = "gathered" if verb == "filter_get" else "placed"
+    fix = (
+        "Pass the same tree (the same structure, shapes and dtypes of the array leaves) on "
+        f"every process; nothing was {done} on any process."
+    )
+    if not rows:  # the same leaves, but some processes could not resolve the call
+        failures = "\n".join(
+            f"  process {p}: {s['failed']}" for p, s in enumerate(seen) if s["failed"]
+        )
+        return (
+            f"`{verb}` failed on some processes only (were they given different `target`s or "
+            f"`spec`s?):\n{failures}\nPass the same arguments on every process."
+        )
+    what = " and ".join(k for k in ("tree structures", "shapes", "dtypes") if k in kinds)
+    header = (
+        f"`{verb}` was given different {what} on different processes, for the array leaves "
+        f"it {'gathers' if verb == 'filter_get' else 'places'} across processes:"
+    )
+    return leaf_error(header, rows, fix)
+
+
+def _absent(seen: dict[str, Any], path: str) -> str:
+    return seen["others"].get(path) or "no such leaf"
+
+
+def global_shapes(
+    flat: Flat, layouts: dict[int, tuple[Any, PartitionSpec]], *, process_local: bool
+) -> dict[int, tuple[int, ...]]:
+    """The shape each leaf's spec must divide.
+
+    With `process_local=True`, host data bound for a mesh that spans several processes
+    is each process's local part: its shape here is the global shape the parts make
+    together (the local shapes were compared across processes by `check_same_leaves`).
     """
     shapes = {i: tuple(flat.leaves[i].shape) for i in layouts}
-    if jax.process_count() == 1:
+    if jax.process_count() == 1 or not process_local:
         return shapes
-    spanning = [
-        i
-        for i, (mesh, _) in layouts.items()
-        if isinstance(mesh, Mesh)
-        and mesh.is_multi_process
-        and not _compat.is_tracer(flat.leaves[i])
-        and is_process_local(flat.leaves[i])
-    ]
-    # While a transformation traces, host data is a constant of the traced program and no
-    # collective can run: the shapes are not compared.
-    if spanning and (process_local or check_consistent) and not _compat.tracing():
-        paths = [flat.paths[i] for i in spanning]
-        check_same_shapes(verb, paths, [shapes[i] for i in spanning], process_local=process_local)
-    if process_local:
-        for i in spanning:
-            shapes[i] = _compat.global_shape(*layouts[i], shapes[i])
+    for i, (mesh, spec) in layouts.items():
+        x = flat.leaves[i]
+        if (
+            isinstance(mesh, Mesh)
+            and mesh.is_multi_process
+            and not _compat.is_tracer(x)
+            and is_process_local(x)
+        ):
+            shapes[i] = _compat.global_shape(mesh, spec, shapes[i])
     return shapes
 
 

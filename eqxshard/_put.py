@@ -20,7 +20,7 @@ def _backend_sharding(name: str) -> Sharding:
     if not devices:
         known = sorted({d.platform for d in jax.devices()} | {jax.default_backend()})
         raise ValueError(
-            f"`filter_put` got the backend {name!r}, which this process does not have. "
+            f"`filter_put` got `target`={name!r}, a backend this process does not have. "
             f"Backends here: {known}. Pass one of them, a `jax.Device` or a `Sharding`."
         )
     return SingleDeviceSharding(devices[0])
@@ -68,8 +68,9 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
 
     **Raises:**
 
-    - `TypeError`: if neither `target` nor `memory_kind` is given, or `target` is of the
-        wrong type.
+    - `TypeError`: if neither `target` nor `memory_kind` is given, `target` is of the
+        wrong type, or array leaves have a dtype JAX has no arrays of (NumPy strings,
+        objects, ...), naming each.
     - `ValueError`: naming every failing leaf, for a backend this process lacks, a memory
         kind the target devices lack, a prefix tree that does not match `tree`, or a
         traced leaf asked to move to another device or backend inside `jit` (do the move
@@ -100,9 +101,11 @@ def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = No
             f"but got {memory_kind!r} of type {type(memory_kind).__name__}."
         )
     flat = Flat(tree)
-    if not any(flat.is_array):
+    sync = _resolve.must_sync(target, process_local=False, check_consistent=True)
+    if not any(flat.is_array) and not sync:  # see `filter_shard`
         return tree
     if target is None:
+        _resolve.check_dtypes("filter_put", flat, flat.array_indices)
         shardings = {i: _current_sharding(flat.leaves[i]) for i in flat.array_indices}
     else:
         shardings = _resolve.resolve(

@@ -93,16 +93,131 @@ def resolve(
 ) -> dict[int, Sharding]:
     """The sharding each array leaf must get (leaves to leave alone are absent).
 
+    `target` and `spec` are read as described in `_resolve_here`. With several processes
+    and a `target` that spans them, every process then checks that all passed the same
+    leaves (`_multihost.check_same_leaves`), also when this process failed to resolve
+    the call: an error raised on some processes only would leave the others waiting in
+    the next collective, so it is raised on every process instead. Whether to check is
+    decided from `target` alone, never from `tree`, so that all processes take part.
+    """
+    if not must_sync(target, process_local=process_local, check_consistent=check_consistent):
+        return _resolve_here(verb, flat, target, spec, resolve_str, process_local)
+    try:
+        out = _resolve_here(verb, flat, target, spec, resolve_str, process_local)
+    except Exception as e:  # also a user's callable spec failing on this process only
+        indices = [i for i in flat.array_indices if not _compat.is_tracer(flat.leaves[i])]
+        failed = f"{type(e).__name__}: {e}"
+        _check_same_leaves(
+            verb, flat, indices, process_local=process_local, failed=failed, local=set()
+        )
+        raise
+    # Only leaves bound for devices of several processes: others take part in no collective.
+    indices = [i for i, s in out.items() if _spans(s) and not _compat.is_tracer(flat.leaves[i])]
+    _check_same_leaves(
+        verb, flat, indices, process_local=process_local, failed=None, local=set(out)
+    )
+    return out
+
+
+def _spans(sharding: Sharding) -> bool:
+    if isinstance(sharding, NamedSharding):
+        return isinstance(sharding.mesh, Mesh) and sharding.mesh.is_multi_process
+    return not sharding.is_fully_addressable
+
+
+def must_sync(target: Any, *, process_local: bool, check_consistent: bool) -> bool:
+    """Whether a call with this `target` checks its leaves across processes.
+
+    Yes where `target` (or the mesh set by `jax.set_mesh`, for a `PartitionSpec` or no
+    target) spans several processes, outside any transformation (no collective can run
+    while tracing), unless both checks were turned off. Read from `target` only: the
+    same on every process that passes the same `target`, whatever its tree holds.
+    """
+    if jax.process_count() == 1 or not (process_local or check_consistent):
+        return False
+    if _compat.tracing():
+        return False
+    leaves = jax.tree_util.tree_leaves(target, is_leaf=_is_target_leaf)
+    for t in leaves:
+        if t is UNSET or isinstance(t, PartitionSpec):
+            t = _compat.ambient_mesh()
+        if isinstance(t, Mesh) and t.is_multi_process:
+            return True
+        if isinstance(t, Sharding) and not t.is_fully_addressable:
+            return True
+    return False
+
+
+def _check_same_leaves(
+    verb: str,
+    flat: Flat,
+    indices: list[int],
+    *,
+    process_local: bool,
+    failed: str | None,
+    local: set[int],
+) -> None:
+    """`_multihost.check_same_leaves` for the leaves `indices`; `local` are the other
+    leaves placed, on this process's devices only (described as such in a message)."""
+    chosen = set(indices)
+    entries = [_multihost.leaf_entry(flat.paths[i], flat.leaves[i]) for i in indices]
+
+    def other(i: int, x: Any) -> str:
+        if not flat.is_array[i]:
+            return f"{type(x).__name__} (not an array)"
+        return "an array placed on this process only" if i in local else "an array left alone"
+
+    others = {
+        pathstr(flat.paths[i]): other(i, x) for i, x in enumerate(flat.leaves) if i not in chosen
+    }
+    _multihost.check_same_leaves(verb, entries, others, process_local=process_local, failed=failed)
+
+
+def check_dtypes(verb: str, flat: Flat, indices: list[int]) -> None:
+    """Raises for array leaves whose dtype JAX has no arrays of (strings, objects, ...),
+    naming each, before JAX sees them."""
+    rows = [
+        (pathstr(flat.paths[i]), f"dtype {flat.leaves[i].dtype}", _dtype_word(flat.leaves[i]))
+        for i in indices
+        if not _compat.is_jax_dtype(flat.leaves[i].dtype)
+    ]
+    if rows:
+        raise TypeError(
+            leaf_error(
+                f"`{verb}` got array leaves whose dtype JAX has no arrays of:",
+                rows,
+                "Convert them to a numeric dtype (e.g. strings to integer codes), keep them "
+                "out of the arrays (a static field: `eqx.field(static=True)`), or put `None` "
+                "at their paths in `target` to leave them alone.",
+            )
+        )
+
+
+def _dtype_word(x: Any) -> str:
+    kind = x.dtype.kind
+    words = {"U": "strings", "S": "bytes", "O": "Python objects", "M": "datetimes"}
+    words |= {"m": "timedeltas", "V": "raw or structured records"}
+    return f"({words.get(kind, 'not a JAX dtype')})"
+
+
+def _resolve_here(
+    verb: str,
+    flat: Flat,
+    target: Any,
+    spec: Any,
+    resolve_str: Callable[[str], Sharding] | None,
+    process_local: bool,
+) -> dict[int, Sharding]:
+    """The sharding each array leaf must get, from this process's arguments alone.
+
     `target` is `UNSET` (the ambient mesh), a target form, or a prefix tree of them;
     `spec` is `UNSET`, a `PartitionSpec`, a prefix tree of them, a callable
     `(path, leaf) -> PartitionSpec | None`, or a rule: an object with a method
     `spec_for(path, leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
     mesh (sharding rules are built on this).
 
-    With several processes, host data bound for a mesh that spans them is first checked
-    to have the same shape on every process (`_multihost.shapes_to_check`), so that every
-    process raises the same errors; with `process_local=True`, specs are checked against
-    the global shapes the local parts make.
+    With `process_local=True`, specs are checked against the global shapes the local
+    parts make. No collective runs here.
     """
     # A target tree may hold a sharding at a non-array leaf, as `eqx.filter_shard` allows
     # (`jax.tree.map(lambda _: sharding, model)`): it is ignored there. A spec may not.
@@ -125,6 +240,13 @@ def resolve(
     layouts: dict[int, tuple[Mesh | AbstractMesh, PartitionSpec]] = {}
     type_errors: list[tuple[str, str]] = []
     no_mesh: list[tuple[str, str]] = []
+    no_target: list[tuple[str]] = []
+    placed_here = [
+        i
+        for i in flat.array_indices
+        if targets[i] is not None and specs[i] is not None and not _compat.is_tracer(flat.leaves[i])
+    ]
+    check_dtypes(verb, flat, placed_here)
     ambient: list[Any] = []  # looked up once, on first use
     replicated = PartitionSpec()  # one object for every leaf given no spec
     rule_errors: dict[tuple[str, str], list[tuple[str, ...]]] = {}
@@ -145,7 +267,11 @@ def resolve(
                 ambient.append(_compat.ambient_mesh())
             mesh = ambient[0]
             if mesh is None:
-                no_mesh.append((where(i), f"spec {t if t is not UNSET else s}"))
+                given = t if t is not UNSET else s
+                if isinstance(given, PartitionSpec):
+                    no_mesh.append((where(i), f"spec {given}"))
+                else:
+                    no_target.append((where(i),))
                 continue
         elif isinstance(t, (Mesh, AbstractMesh)):
             mesh = t
@@ -195,13 +321,25 @@ def resolve(
                 "Pass a mesh (`target=mesh`), or set one with `jax.set_mesh(mesh)`.",
             )
         )
+    if no_target:
+        if verb == "filter_replicate":
+            argname, forms = "mesh", "a `Mesh`"
+        else:
+            argname, forms = "target", "a mesh, a sharding or a device"
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` was given no `{argname}` and no mesh is set, so it has nowhere to "
+                "place these leaves:",
+                no_target,
+                f"Pass `{argname}` ({forms}), or set a mesh with `jax.set_mesh(mesh)` (also "
+                "for calls inside `jit`, which read it from there).",
+            )
+        )
     if rule_errors:  # the first kind of rule failure, with every leaf that has it
         (header, fix), rows = next(iter(rule_errors.items()))
         raise ValueError(leaf_error(f"`{verb}` {header}", rows, fix))
     layouts.update((i, (s.mesh, s.spec)) for i, s in out.items() if isinstance(s, NamedSharding))
-    shapes = _multihost.shapes_to_check(
-        verb, flat, layouts, process_local=process_local, check_consistent=check_consistent
-    )
+    shapes = _multihost.global_shapes(flat, layouts, process_local=process_local)
     check_specs(verb, flat, layouts, shapes)
     # One `NamedSharding` per distinct layout, shared by its leaves: building one costs more
     # than the dict lookup, and `device_put` and `_already_placed` compare them faster.

@@ -131,15 +131,16 @@ class _Prefix(Rule):
         "after it for the other leaves (`first(spec_tree, P())`)."
     )
 
-    def __init__(self, tree: Any):
+    def __init__(self, tree: Any, verb: str):
         is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
         entries = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
         bad = [(p, x) for p, x in entries if not is_leaf(x)]
         if bad:
             rows = "\n".join(f"  {dotted_path(p)!r}: {type(x).__name__}" for p, x in bad)
             raise TypeError(
-                "A spec tree must have a `PartitionSpec` or `None` at every leaf, but got:\n"
-                f"{rows}\nPut a PartitionSpec (or `None` to leave a leaf alone) there."
+                f"`{verb}` takes rules, `PartitionSpec`s, `None`, callables or spec trees; a spec "
+                "tree must have a `PartitionSpec` or `None` at every leaf, but got (path: type):"
+                f"\n{rows}\nPut a PartitionSpec (or `None` to leave a leaf alone) there."
             )
         self.specs = {tuple(p): x for p, x in entries}
 
@@ -150,7 +151,7 @@ class _Prefix(Rule):
         return NO_MATCH
 
 
-def as_rule(spec: Any) -> Rule:
+def as_rule(spec: Any, verb: str) -> Rule:
     """Any `spec` form as a rule: a rule, a PartitionSpec, `None`, a callable, a spec tree."""
     if isinstance(spec, Rule):
         return spec
@@ -158,7 +159,7 @@ def as_rule(spec: Any) -> Rule:
         return _Constant(spec)
     if callable(spec) and not isinstance(spec, eqx.Module):
         return _Callable(spec)
-    return _Prefix(spec)
+    return _Prefix(spec, verb)
 
 
 class PathRules(Rule):
@@ -312,6 +313,6 @@ def first(*rules: Any) -> First:
     if not rules:
         raise TypeError("`first` takes at least one rule, but got none.")
     flat: list[Rule] = []
-    for rule in map(as_rule, rules):
+    for rule in (as_rule(r, "first") for r in rules):
         flat.extend(rule.rules if isinstance(rule, First) else [rule])
     return First(flat)

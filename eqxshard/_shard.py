@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
@@ -60,10 +61,15 @@ def filter_shard(
         local part (e.g. its slice of a batch) and the parts together make one global
         array: the global size of each dim split across processes is the sum of the
         local sizes. Outside `jit` only; needs a mesh target.
-    - `check_consistent`: with several processes and `process_local=False`, host data is
-        checked to be identical on every process (a shape hash and a checksum per leaf,
-        two small collectives per call), as different data would silently diverge.
-        `False` skips both.
+    - `check_consistent`: with several processes and a target that spans them, every
+        process is checked to pass the same tree (one fixed-size digest of the paths,
+        shapes and dtypes of the leaves placed across processes; also with
+        `process_local=True`, where local shapes must agree), and host data passed with
+        `process_local=False` to be identical on every process (a checksum per leaf), as
+        different data would silently diverge: two small collectives per call, on every
+        process that makes the call. `False` skips both, except the digest with
+        `process_local=True` (then every process must pass the same tree, or the run may
+        hang).
 
     **Returns:**
 
@@ -71,11 +77,15 @@ def filter_shard(
 
     **Raises:**
 
-    - `TypeError`: for a `target` or `spec` of the wrong type, or a `spec` given with a
-        `Sharding`/`Device` target.
+    - `TypeError`: for a `target` or `spec` of the wrong type, a non-bool
+        `process_local` or `check_consistent`, or a `spec` given with a
+        `Sharding`/`Device` target; naming every such leaf, for array leaves of a dtype
+        JAX has no arrays of (NumPy strings, bytes, objects, datetimes, records).
     - `ValueError`: naming every failing leaf by path, when a prefix tree does not match
-        `tree`; a `spec` is given for a non-array leaf; a `PartitionSpec` is given and no
-        mesh is set; a spec names an axis the mesh lacks, uses an axis twice, has more
+        `tree`; a `spec` is given for a non-array leaf; a `PartitionSpec` or no target is
+        given and no mesh is set; with several processes, they pass different trees
+        (leaf paths, shapes or dtypes), raised on every process before any per-leaf
+        collective; a spec names an axis the mesh lacks, uses an axis twice, has more
         entries than the leaf has dims, or splits a dim that does not divide evenly; a
         traced leaf would have to move to another device set or backend inside `jit`
         (do that move outside `jit`); `process_local=True` is used inside `jit` or with a
@@ -110,11 +120,22 @@ def filter_shard(
             return jax.vmap(model)(x)
         ```
     """
+    for name, flag in (("process_local", process_local), ("check_consistent", check_consistent)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"`filter_shard` takes `{name}` as a bool, but got {flag!r} of type "
+                f"{type(flag).__name__}. Pass `{name}=True` or `{name}=False`."
+            )
     flat = Flat(tree)
-    if not any(flat.is_array):
-        return tree
     target = _resolve.UNSET if target is None else target
     spec = _resolve.UNSET if spec is None else spec
+    # With several processes, a call that spans them checks its leaves with the other
+    # processes even if this process has no arrays (theirs may differ).
+    sync = _resolve.must_sync(
+        target, process_local=process_local, check_consistent=check_consistent
+    )
+    if not any(flat.is_array) and not sync:
+        return tree
     shardings = _resolve.resolve(
         "filter_shard",
         flat,
@@ -151,8 +172,10 @@ def filter_replicate(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
     **Raises:**
 
     - `ValueError`: if `mesh` is `None` and no mesh is set, or (inside `jit`) if a traced
-        leaf lives on other devices than `mesh`.
-    - `TypeError`: if `mesh` is not a `Mesh`.
+        leaf lives on other devices than `mesh`; with several processes, if they pass
+        different trees.
+    - `TypeError`: if `mesh` is not a `Mesh`, or for array leaves of a dtype JAX has no
+        arrays of (NumPy strings, objects, ...).
 
     !!! Example
 
@@ -171,8 +194,9 @@ def filter_replicate(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
             "To replicate on a device or a sharding, use `filter_shard(tree, target)`."
         )
     flat = Flat(tree)
-    if not any(flat.is_array):
-        return tree
     target = _resolve.UNSET if mesh is None else mesh
+    sync = _resolve.must_sync(target, process_local=False, check_consistent=True)
+    if not any(flat.is_array) and not sync:
+        return tree
     shardings = _resolve.resolve("filter_replicate", flat, target, _resolve.UNSET)
     return flat.rebuild(_place.place("filter_replicate", flat, shardings))

@@ -173,9 +173,39 @@ def _cases(kind: str) -> dict[str, Case]:
         "filter_replicate without a mesh": Case(
             lambda: eqxshard.filter_replicate(tree),
             ValueError,
-            "`filter_replicate` was given a PartitionSpec but no mesh is set",
+            "`filter_replicate` was given no `mesh` and no mesh is set",
             both,
-            "jax.set_mesh",
+            "Pass `mesh` (a `Mesh`), or set a mesh with `jax.set_mesh(mesh)`",
+        ),
+        "no target and no mesh": Case(
+            lambda: eqxshard.filter_shard(tree),
+            ValueError,
+            "`filter_shard` was given no `target` and no mesh is set",
+            (*both, "['good']"),
+            "Pass `target` (a mesh, a sharding or a device)",
+        ),
+        "jit: no target and no mesh": Case(
+            _jit(eqxshard.filter_shard, tree),
+            ValueError,
+            "`filter_shard` was given no `target` and no mesh is set",
+            (*both, "['good']"),
+            "jax.set_mesh(mesh)",
+        ),
+        "string and object arrays": Case(
+            lambda: eqxshard.filter_shard(
+                {**tree, "s": np.array(["a", "b"]), "o": np.array([1, "x"], dtype=object)}, mesh
+            ),
+            TypeError,
+            "`filter_shard` got array leaves whose dtype JAX has no arrays of",
+            ("['s']  dtype <U1", "(strings)", "['o']  dtype object  (Python objects)"),
+            "`eqx.field(static=True)`",
+        ),
+        "filter_put: string arrays": Case(
+            lambda: eqxshard.filter_put({**tree, "s": np.str_("abc")}, memory_kind="device"),
+            TypeError,
+            "`filter_put` got array leaves whose dtype JAX has no arrays of",
+            ("['s']  dtype <U3",),
+            "numeric dtype",
         ),
         "spec for non-array leaves": Case(
             lambda: eqxshard.filter_shard(
@@ -321,7 +351,7 @@ def _cases(kind: str) -> dict[str, Case]:
         "filter_put to an unknown backend": Case(
             lambda: eqxshard.filter_put(tree, "not_a_backend"),
             ValueError,
-            "got the backend 'not_a_backend', which this process does not have",
+            "got `target`='not_a_backend', a backend this process does not have",
             (repr(jax.devices()[0].platform),),
             "Pass one of them, a `jax.Device` or a `Sharding`",
         ),
@@ -435,3 +465,60 @@ def test_memory_kind_inside_jit_where_jax_cannot(device_puts: list[Any]) -> None
         assert "['w']" in str(info.value)
         assert "Call `filter_put` outside `jit`" in str(info.value)
         assert device_puts == []
+
+
+_NO_TARGET_CALLS = {
+    "filter_shard": lambda tree: eqxshard.filter_shard(tree),
+    "filter_replicate": lambda tree: eqxshard.filter_replicate(tree),
+    "filter_plan": lambda tree: eqxshard.filter_plan(tree),
+    "filter_init": lambda tree: eqxshard.filter_init(lambda: tree)(),
+    "jit: filter_shard": lambda tree: jax.jit(eqxshard.filter_shard)(tree),
+    "jit: filter_replicate": lambda tree: jax.jit(eqxshard.filter_replicate)(tree),
+}
+
+
+@pytest.mark.parametrize("name", list(_NO_TARGET_CALLS))
+def test_no_target_and_no_mesh_says_so(name: str) -> None:
+    """Not "was given a PartitionSpec" (none was given), and no internal sentinel object."""
+    with pytest.raises(ValueError, match="no `(target|mesh)` and no mesh is set") as info:
+        _NO_TARGET_CALLS[name]({"w": jnp.ones((4, 2)), "b": jnp.zeros(2)})
+    message = str(info.value)
+    assert "['w']" in message and "['b']" in message
+    assert "object at" not in message and "PartitionSpec" not in message, message
+
+
+@pytest.mark.parametrize(
+    ("value", "word"),
+    [
+        (np.array(["a", "b"]), "strings"),
+        (np.array([b"a"]), "bytes"),
+        (np.array([1, "a"], dtype=object), "Python objects"),
+        (np.array(["2020-01-01"], dtype="datetime64[D]"), "datetimes"),
+        (np.array([3], dtype="timedelta64[s]"), "timedeltas"),
+        (np.zeros(2, dtype=[("a", "f4")]), "structured"),
+        (np.str_("x"), "strings"),
+    ],
+)
+def test_non_jax_dtypes_are_named_before_jax_runs(value: Any, word: str) -> None:
+    mesh = make_mesh("explicit")
+    tree = {"ok": np.ones(8, np.float32), "bad": [value]}
+    for call in (
+        lambda: eqxshard.filter_shard(tree, mesh),
+        lambda: eqxshard.filter_replicate(tree, mesh),
+        lambda: eqxshard.filter_put(tree, jax.devices()[0]),
+        lambda: eqxshard.filter_plan(tree, mesh),
+    ):
+        with pytest.raises(TypeError, match="dtype JAX has no arrays of") as info:
+            call()
+        message = str(info.value)
+        assert "['bad'][0]" in message and word in message and "['ok']" not in message
+
+
+def test_non_jax_dtypes_left_alone_are_fine() -> None:
+    mesh = make_mesh("explicit")
+    tree = {"ok": np.ones(8, np.float32), "names": np.array(["a", "b"])}
+    out = eqxshard.filter_shard(tree, {"ok": mesh, "names": None})
+    assert out["names"] is tree["names"]
+    assert out["ok"].sharding.is_equivalent_to(NamedSharding(mesh, P()), 1)
+    got = eqxshard.filter_get(tree)
+    assert got["names"] is tree["names"] or np.array_equal(got["names"], tree["names"])

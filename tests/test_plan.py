@@ -81,6 +81,8 @@ def test_plan_errors_are_filter_shard_errors() -> None:
         filter_plan(tree, mesh, P("data"))
     with pytest.raises(ValueError, match="`filter_plan` was given a PartitionSpec but no mesh"):
         filter_plan(tree, P("data"))
+    with pytest.raises(ValueError, match="`filter_plan` was given no `target` and no mesh"):
+        filter_plan(tree)
     with pytest.raises(TypeError, match="`filter_plan` cannot read the `target`/`spec`"):
         filter_plan(tree, mesh, 3)
 

@@ -428,8 +428,8 @@ def different_data_as_sharded_raises(process: int) -> None:
 
 @scenario("consistency")
 def different_shapes_or_dtypes_raise(process: int) -> None:
-    """Shapes are compared before any spec check, so no process raises alone (and the
-    others wait); dtypes are part of the checksum."""
+    """Shapes and dtypes are compared (one digest) before any spec check, so no process
+    raises alone (and the others wait)."""
     mesh = make_mesh((8,), ("data",), AxisType.Explicit)
     rows = 8 if process == 0 else 7  # 7 rows do not split over 8 devices: process 1 only
     tree = {"x": np.zeros((rows, 3), np.float32), "ok": np.zeros(8, np.float32)}
@@ -442,7 +442,7 @@ def different_shapes_or_dtypes_raise(process: int) -> None:
     tree = {"x": np.zeros((8, 3), dtype), "ok": np.zeros(8, np.float32)}
     check_raises(
         lambda: eqxshard.filter_shard(tree, mesh, P("data")),
-        ["different data on different processes", "['x']"],
+        ["different dtypes on different processes", "['x']", "float32 (8, 3)", "int32 (8, 3)"],
         absent=["['ok']"],
     )
 
