@@ -246,7 +246,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         flat = Flat(tree, is_array=is_array_like)
         shardings = {i: _own_sharding(flat.leaves[i]) for i in flat.array_indices}
     else:
-        flat, planned = plan_shardings("describe", tree, target, spec)
+        flat, planned = plan_shardings("describe", tree, target, spec, sync=False)
         shardings = {i: planned.get(i) for i in flat.array_indices}
     rows: list[LeafRow] = []
     per_device: dict[Any, int] = {}

@@ -26,12 +26,15 @@ def is_array_like(x: Any) -> bool:
 
 
 def plan_shardings(
-    verb: str, tree: Any, target: Any, spec: Any
+    verb: str, tree: Any, target: Any, spec: Any, *, sync: bool = True
 ) -> tuple[Flat, dict[int, Sharding]]:
+    """The plan of `tree`. `sync=False` for verbs that only read the plan (`filter_plan`,
+    `describe`): they issue no collective, so one process may call them alone (to log a
+    plan on process 0, say); the verbs that act on the plan check it across processes."""
     flat = Flat(tree, is_array=is_array_like)
     target = _resolve.UNSET if target is None else target
     spec = _resolve.UNSET if spec is None else spec
-    return flat, _resolve.resolve(verb, flat, target, spec)
+    return flat, _resolve.resolve(verb, flat, target, spec, check_consistent=sync)
 
 
 def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
@@ -72,7 +75,7 @@ def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
         plan.layers[0].weight  # NamedSharding(mesh, P("data", None))
         ```
     """
-    flat, shardings = plan_shardings("filter_plan", tree, target, spec)
+    flat, shardings = plan_shardings("filter_plan", tree, target, spec, sync=False)
     return flat.rebuild({i: shardings.get(i) for i in range(len(flat.leaves))})
 
 

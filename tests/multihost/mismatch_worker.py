@@ -169,10 +169,12 @@ def a_callable_spec_failing_on_one_process(process: int) -> None:
 def plans_of_different_shapes(process: int) -> None:
     rows = 8 if process == 0 else 16
     tree = {"w": jax.ShapeDtypeStruct((rows, 2), jnp.float32)}
-    raises(
-        lambda: eqxshard.filter_plan(tree, mesh8(), P("data")),
-        ["`filter_plan`", "['w']", "process 0: (8, 2)", "process 1: (16, 2)"],
-    )
+    # Reading a plan issues no collective: each process plans its own tree (and process 0
+    # alone may log one); the verbs that act on a plan compare it across processes.
+    plan = eqxshard.filter_plan(tree, mesh8(), P("data"))
+    check(plan["w"].spec == P("data"), repr(plan))
+    if process == 0:
+        eqxshard.describe(tree, mesh8(), P("data"))
 
     def make() -> Any:
         return {"w": jnp.zeros((rows, 2))}
