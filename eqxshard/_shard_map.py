@@ -142,11 +142,14 @@ def _call(
         # inputs already laid out as `in_specs` say; lay them out here (a transfer outside
         # `jit`, a reshard inside). With fewer `axis_names` JAX re-lays out the mapped axes
         # itself and keeps the others as they are: placing here would gather those.
+        # Refs cannot be copied; specs with `unreduced`/`reduced` sets describe a type
+        # (a pending or a replicated-for-reduction value) only JAX can give: both are
+        # left for JAX to check.
         _check_refs_laid_out(flat, specs, mesh)
         shardings: dict[int, Sharding] = {
             i: NamedSharding(mesh, s)
             for i, s in specs.items()
-            if not _compat.is_ref(flat.leaves[i])
+            if not _compat.is_ref(flat.leaves[i]) and not _compat.spec_reductions(s)
         }
         placed = _place.place(_VERB, flat, shardings)
         flat = Flat(flat.rebuild(placed), is_array=_is_argument)

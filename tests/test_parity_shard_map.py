@@ -288,3 +288,23 @@ def test_ref_not_laid_out_is_refused():
     with pytest.raises(ValueError, match=r"(?s)mutable arrays.*\[0\].*laid out as"):
         jax.jit(f)(ref)
     assert not _compat.is_ref(jnp.zeros(2))
+
+
+@pytest.mark.skipif(not HAS_UNREDUCED, reason="PartitionSpec has no `reduced`/`partitions`")
+def test_reduced_in_specs():
+    """A weight replicated for reduction (`reduced={'y'}`) passed in as such: eqxshard
+    leaves that type for JAX to check instead of re-laying the input out."""
+    mesh = mesh2("explicit")
+    w, x = laid_out(mesh, (8, 4), P("y")), laid_out(mesh, (4, 8), P("x"))
+    reduced = NamedSharding(mesh, P(None, None, reduced={"y"}))
+    results = []
+    for make in (filter_shard_map, jax.shard_map):
+        f = make(
+            lambda w, x: x @ w,
+            mesh=mesh,
+            in_specs=(P(None, None, reduced={"y"}), P("x")),
+            out_specs=P("x"),
+        )
+        results.append(jax.jit(lambda w, x, f=f: f(jax.sharding.reshard(w, reduced), x))(w, x))
+    assert_same(results[0], results[1])
+    np.testing.assert_allclose(results[0], np.asarray(x) @ np.asarray(w), rtol=1e-6)
