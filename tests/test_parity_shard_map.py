@@ -308,3 +308,42 @@ def test_reduced_in_specs():
         results.append(jax.jit(lambda w, x, f=f: f(jax.sharding.reshard(w, reduced), x))(w, x))
     assert_same(results[0], results[1])
     np.testing.assert_allclose(results[0], np.asarray(x) @ np.asarray(w), rtol=1e-6)
+
+
+MIXED_CASES = [c for c in CASES if c[0] in ("psum", "ppermute", "pytree_specs", "partial_manual")]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("case", MIXED_CASES, ids=[c[0] for c in MIXED_CASES])
+def test_same_as_jax_on_a_mixed_mesh(case, jit):
+    """'x' Explicit, 'y' Auto."""
+    test_same_as_jax(case, "mixed", jit)
+
+
+def test_nested_maps():
+    """An inner map over 'y' inside an outer map over 'x'. Deliberate difference: JAX wants
+    the inner map given the mesh in context (`jax.sharding.get_abstract_mesh()`, its 'x' now
+    Manual) and raises on the mesh itself; eqxshard takes either."""
+    mesh = mesh2("explicit")
+    x = laid_out(mesh, (8, 8), P("x", "y"))
+
+    def build(make, inner_mesh):
+        def outer_body(x):
+            inner = make(
+                lambda x: jax.lax.psum(x, "y"),
+                mesh=inner_mesh(),
+                in_specs=P(None, "y"),
+                out_specs=P(),
+                axis_names={"y"},
+            )
+            return inner(x) * 2
+
+        outer = make(outer_body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
+        return jax.jit(outer)
+
+    context = jax.sharding.get_abstract_mesh
+    expected = build(jax.shard_map, context)(x)
+    assert_same(build(filter_shard_map, context)(x), expected)
+    assert_same(build(filter_shard_map, lambda: mesh)(x), expected)
+    with pytest.raises(ValueError, match="context mesh"):
+        build(jax.shard_map, lambda: mesh)(x)
