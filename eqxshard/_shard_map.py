@@ -92,12 +92,10 @@ def _check_refs_laid_out(flat: Flat, specs: dict[int, PartitionSpec], mesh: Any)
         x = flat.leaves[i]
         if not _compat.is_ref(x):
             continue
-        current = _compat.traced_sharding(x)
+        current = _compat.traced_sharding(x)  # a Ref's aval carries its layout
         if current is None:
-            current = getattr(getattr(x, "aval", None), "sharding", None)
-        current_spec = getattr(current, "spec", None)
-        if current_spec is None:
             continue
+        current_spec = current.spec
         want = NamedSharding(_compat.abstract_mesh_of(mesh), _plain(spec))
         got = NamedSharding(_compat.abstract_mesh_of(mesh), _plain(current_spec))
         if not want.is_equivalent_to(got, len(x.shape)):
@@ -199,10 +197,11 @@ def filter_shard_map(
     `eqx.Module`'s activation functions, ints, strings) are passed through to `fun`
     untouched; non-array leaves of the output are returned as they are (they are the
     same on every device by construction). Mutable arrays (`jax.new_ref`) are passed in
-    like arrays, so `fun` can write to its shard of them. Works outside `jit` (like `jax.shard_map`,
-    it then runs op by op: wrap the caller in `eqx.filter_jit` for speed) and inside
-    `jit`, `grad` and `vmap` wherever `jax.shard_map` does. Inside `jit` the result
-    stays sharded on the mesh: no copy to one device or the host, unlike `jit(pmap(f))`.
+    like arrays, so `fun` can write to its shard of them. Works outside `jit` (like
+    `jax.shard_map`, it then runs op by op: wrap the caller in `eqx.filter_jit` for
+    speed) and inside `jit`, `grad` and `vmap` wherever `jax.shard_map` does. Inside
+    `jit` the result stays sharded on the mesh: no copy to one device or the host,
+    unlike `jit(pmap(f))`.
 
     It can be used as a decorator: `@filter_shard_map(mesh=..., in_specs=..., out_specs=...)`.
 
