@@ -274,3 +274,43 @@ def abstract_mesh(
     if axis_types is None:
         axis_types = (AxisType.Auto,) * len(axis_names)
     return AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types)
+
+
+def spec_entries(spec: PartitionSpec) -> tuple[Any, ...]:
+    """The per-dim entries of `spec`, without its `unreduced`/`reduced` sets.
+
+    JAX refuses to iterate a `PartitionSpec` that has non-empty `unreduced`/`reduced`
+    sets (jax >= 0.8) and offers `spec.partitions` instead; older releases have neither.
+    """
+    partitions = getattr(spec, "partitions", None)
+    return tuple(spec) if partitions is None else tuple(partitions)
+
+
+def spec_reductions(spec: PartitionSpec) -> frozenset[str]:
+    """The mesh axes in `spec`'s `unreduced` and `reduced` sets (empty where JAX has none)."""
+    unreduced = getattr(spec, "unreduced", None) or frozenset()
+    reduced = getattr(spec, "reduced", None) or frozenset()
+    return frozenset(unreduced) | frozenset(reduced)
+
+
+def vmapped_mesh_axes() -> frozenset[str]:
+    """The Explicit mesh axes an enclosing `vmap` has taken for its batch dim.
+
+    `jax.shard_map` leaves them out of its default `axis_names` and refuses them in
+    `axis_names` (jax >= 0.8); older releases do not record them.
+    """
+    from jax._src import core
+
+    env = core.get_axis_env()
+    return frozenset(getattr(env, "explicit_mesh_axis_names", ()) or ())
+
+
+_Ref = getattr(jax, "Ref", None)  # public from jax 0.8
+_AbstractRef = getattr(getattr(jax, "ref", None), "AbstractRef", None)
+
+
+def is_ref(x: Any) -> bool:
+    """Whether `x` is a mutable array (`jax.new_ref`), concrete or traced."""
+    if _Ref is not None and isinstance(x, _Ref):
+        return True
+    return _AbstractRef is not None and isinstance(getattr(x, "aval", None), _AbstractRef)

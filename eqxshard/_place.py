@@ -143,11 +143,8 @@ def place(
     """Places every array leaf of `flat` that has a sharding; returns the new leaves."""
     check_traced_moves(verb, flat, shardings)
     traced = {i: s for i, s in shardings.items() if _needs_constraint(flat.leaves[i], s)}
-    concrete = {
-        i: s
-        for i, s in shardings.items()
-        if i not in traced and not _already_placed(flat.leaves[i], s)
-    }
+    concrete = {i: _settled(s) for i, s in shardings.items() if i not in traced}
+    concrete = {i: s for i, s in concrete.items() if not _already_placed(flat.leaves[i], s)}
     if process_local:
         _check_process_local(verb, flat, shardings, traced)
     out: dict[int, Any] = {}
@@ -171,6 +168,18 @@ def place(
 def to_memory_kind(x: Any, memory_kind: str) -> Any:
     """Moves a traced leaf to another memory kind, keeping its layout."""
     return jax.device_put(x, _compat.memory_space(memory_kind))
+
+
+def _settled(sharding: Sharding) -> Sharding:
+    """A concrete array has a layout on every dim: `P.UNCONSTRAINED` dims are not split
+    (as `eqx.filter_shard` gives outside `jit`; `device_put` raises on them)."""
+    if not isinstance(sharding, NamedSharding):
+        return sharding
+    entries = _compat.spec_entries(sharding.spec)
+    if not any(e is PartitionSpec.UNCONSTRAINED for e in entries):
+        return sharding
+    spec = PartitionSpec(*(None if e is PartitionSpec.UNCONSTRAINED else e for e in entries))
+    return sharding.update(spec=spec)
 
 
 def _needs_constraint(x: Any, sharding: Sharding) -> bool:

@@ -6,13 +6,14 @@ import functools as ft
 from collections.abc import Callable, Set
 from typing import Any
 
+import equinox as eqx
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from . import _compat, _place
 from ._resolve import check_specs
 from ._shard_map_specs import _check_out_specs, _check_spec_values, _specs_per_leaf
-from ._tree import Flat
+from ._tree import Flat, leaf_error, pathstr
 
 _VERB = "filter_shard_map"
 Specs = PartitionSpec | PyTree[PartitionSpec | NamedSharding | None] | Callable[[Any, Any], Any]
@@ -42,19 +43,29 @@ def _get_mesh(mesh: Any) -> Mesh | AbstractMesh:
     return mesh
 
 
-def _manual_axes(mesh: Mesh | AbstractMesh, axis_names: Set[str] | None) -> frozenset[str]:
-    names = set(mesh.axis_names)
+def _manual_axes(
+    mesh: Mesh | AbstractMesh, axis_names: Set[str] | None, free: frozenset[str]
+) -> frozenset[str]:
+    """The axes `fun` is mapped over: `axis_names`, or (as in `jax.shard_map`) every axis
+    of `mesh` that no enclosing `vmap` has taken (`free`)."""
     if axis_names is None:
-        return frozenset(names)
+        return free
     if isinstance(axis_names, str) or not all(isinstance(a, str) for a in axis_names):
         raise TypeError(
             f"`{_VERB}(axis_names=...)` must be a set of mesh axis names, got {axis_names!r}."
         )
-    unknown = sorted(set(axis_names) - names)
+    unknown = sorted(set(axis_names) - set(mesh.axis_names))
     if unknown:
         raise ValueError(
             f"`{_VERB}(axis_names=...)` names axes {unknown} that the mesh "
             f"{list(mesh.axis_names)} does not have. Use only the mesh's axis names."
+        )
+    taken = sorted(set(axis_names) - free)
+    if taken:
+        raise ValueError(
+            f"`{_VERB}(axis_names=...)` names axes {taken} that an enclosing `jax.vmap` "
+            "already maps its batch dim over. Leave them out of `axis_names` (or pass "
+            "`axis_names=None` to map over every axis `vmap` has not taken)."
         )
     return frozenset(axis_names)
 
@@ -62,6 +73,54 @@ def _manual_axes(mesh: Mesh | AbstractMesh, axis_names: Set[str] | None) -> froz
 def _has_explicit(mesh: Mesh | AbstractMesh, manual: frozenset[str]) -> bool:
     types = _compat.axis_type_map(mesh)
     return any(types[a] == AxisType.Explicit for a in manual)
+
+
+def _is_argument(x: Any) -> bool:
+    """Array leaves, and mutable arrays (`jax.new_ref`): passed in, never closed over."""
+    return eqx.is_array(x) or _compat.is_ref(x)
+
+
+def _plain(spec: PartitionSpec) -> PartitionSpec:
+    """`spec` without its `unreduced`/`reduced` sets: what the layout checks read."""
+    return PartitionSpec(*_compat.spec_entries(spec))
+
+
+def _layout(spec: PartitionSpec, mesh: Any, ndim: int) -> list[tuple[str, ...]]:
+    """The mesh axes (of size > 1) splitting each dim: equal for equivalent specs."""
+    sizes = dict(mesh.shape)
+    entries = [*_compat.spec_entries(spec), *[None] * ndim][:ndim]
+    out = []
+    for entry in entries:
+        names = () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+        out.append(tuple(a for a in names if sizes.get(a, 1) > 1))
+    return out
+
+
+def _check_refs_laid_out(flat: Flat, specs: dict[int, PartitionSpec], mesh: Any) -> None:
+    """A mutable array cannot be re-laid out (a copy would lose its writes): check it is."""
+    rows = []
+    for i, spec in specs.items():
+        x = flat.leaves[i]
+        if not _compat.is_ref(x):
+            continue
+        current = _compat.traced_sharding(x)  # a Ref's aval carries its layout
+        if current is None:
+            continue
+        current_spec = current.spec
+        ndim = len(x.shape)
+        if _layout(spec, mesh, ndim) != _layout(current_spec, mesh, ndim):
+            rows.append(
+                (pathstr(flat.paths[i]), f"laid out as {current_spec}", f"`in_specs` {spec}")
+            )
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got mutable arrays (`jax.new_ref`) not laid out as `in_specs` say:",
+                rows,
+                "Create each Ref from an array already laid out as its in_spec "
+                "(`jax.new_ref(filter_shard(x, mesh, spec))`), or give it that in_spec.",
+            )
+        )
 
 
 def _call(
@@ -80,17 +139,28 @@ def _call(
             f"arguments {sorted(kwargs)}. Pass them positionally, with their `in_specs`."
         )
     mesh = _get_mesh(mesh)
-    manual = _manual_axes(mesh, axis_names)
-    flat = Flat(args)
+    free = frozenset(mesh.axis_names) - _compat.vmapped_mesh_axes()
+    manual = _manual_axes(mesh, axis_names, free)
+    flat = Flat(args, is_array=_is_argument)
     values = _specs_per_leaf(flat, in_specs, mesh, "in_specs")
     specs = _check_spec_values(flat, values, mesh, manual, "in_specs", none_ok=True)
-    check_specs(_VERB, flat, {i: (mesh, spec) for i, spec in specs.items()})
-    if _has_explicit(mesh, manual):
-        # On Explicit axes `jax.shard_map` requires inputs already laid out as `in_specs`
-        # say; lay them out here (a transfer outside `jit`, a reshard inside).
-        shardings: dict[int, Sharding] = {i: NamedSharding(mesh, s) for i, s in specs.items()}
+    check_specs(_VERB, flat, {i: (mesh, _plain(spec)) for i, spec in specs.items()})
+    if manual == free and _has_explicit(mesh, manual):
+        # Mapped over every (non-`vmap`) axis of an Explicit mesh, `jax.shard_map` requires
+        # inputs already laid out as `in_specs` say; lay them out here (a transfer outside
+        # `jit`, a reshard inside). With fewer `axis_names` JAX re-lays out the mapped axes
+        # itself and keeps the others as they are: placing here would gather those.
+        # Refs cannot be copied; specs with `unreduced`/`reduced` sets describe a type
+        # (a pending or a replicated-for-reduction value) only JAX can give: both are
+        # left for JAX to check.
+        _check_refs_laid_out(flat, specs, mesh)
+        shardings: dict[int, Sharding] = {
+            i: NamedSharding(mesh, s)
+            for i, s in specs.items()
+            if not _compat.is_ref(flat.leaves[i]) and not _compat.spec_reductions(s)
+        }
         placed = _place.place(_VERB, flat, shardings)
-        flat = Flat(flat.rebuild(placed))
+        flat = Flat(flat.rebuild(placed), is_array=_is_argument)
     indices = flat.array_indices
     out_flat: list[Flat] = []
 
@@ -136,10 +206,12 @@ def filter_shard_map(
     `all_gather`, ...) over the mesh axis names. Non-array leaves of the arguments (an
     `eqx.Module`'s activation functions, ints, strings) are passed through to `fun`
     untouched; non-array leaves of the output are returned as they are (they are the
-    same on every device by construction). Works outside `jit` (like `jax.shard_map`,
-    it then runs op by op: wrap the caller in `eqx.filter_jit` for speed) and inside
-    `jit`, `grad` and `vmap` wherever `jax.shard_map` does. Inside `jit` the result
-    stays sharded on the mesh: no copy to one device or the host, unlike `jit(pmap(f))`.
+    same on every device by construction). Mutable arrays (`jax.new_ref`) are passed in
+    like arrays, so `fun` can write to its shard of them. Works outside `jit` (like
+    `jax.shard_map`, it then runs op by op: wrap the caller in `eqx.filter_jit` for
+    speed) and inside `jit`, `grad` and `vmap` wherever `jax.shard_map` does. Inside
+    `jit` the result stays sharded on the mesh: no copy to one device or the host,
+    unlike `jit(pmap(f))`.
 
     It can be used as a decorator: `@filter_shard_map(mesh=..., in_specs=..., out_specs=...)`.
 
@@ -156,6 +228,7 @@ def filter_shard_map(
         - `None`: for non-array leaves; on array leaves it means `P()` (the whole array
             on every device, like `in_axes=None` in `pmap`);
         - a `NamedSharding` on `mesh`: its spec.
+        A `PartitionSpec` may carry `unreduced=`/`reduced=` sets, as in `jax.shard_map`.
         The whole `in_specs` may also be a callable `(path, leaf) -> PartitionSpec | None`
         called on each array leaf of the arguments, or a sharding rule: an object with a
         method `spec_for(path, leaf, mesh) -> PartitionSpec | None`.
@@ -164,7 +237,11 @@ def filter_shard_map(
         mesh axis not named is a promise that the blocks are equal along it); `None`
         goes on non-array outputs. A callable `(path, leaf) -> PartitionSpec` also works.
     - `axis_names`: the mesh axes `fun` is mapped over (manual); the others stay under
-        the compiler's control. `None` (default): all of them.
+        the compiler's control, and inputs keep their layout along them. `None`
+        (default): every mesh axis that no enclosing `jax.vmap` has taken for its batch
+        dim (as `jax.shard_map`). On Explicit axes, when every such axis is mapped,
+        array inputs are first laid out as `in_specs` say (`jax.shard_map` requires it);
+        a mutable array cannot be copied, so it must already be laid out so.
     - `check_vma`: `jax.shard_map`'s check that outputs said to be equal across devices
         are (and the matching autodiff optimisations). Default `True`.
 
@@ -180,7 +257,8 @@ def filter_shard_map(
         or `None` for an array output; names an axis the mesh lacks or one outside
         `axis_names`, uses an axis twice, has more entries than the leaf has dims, or
         splits a dim that does not divide evenly. Also when no `mesh` is given or set,
-        or `axis_names` names axes the mesh lacks.
+        `axis_names` names axes the mesh lacks or that an enclosing `vmap` has taken, or
+        a mutable array is not laid out as its in_spec says on Explicit axes.
     - `TypeError`: for a spec that is not a `PartitionSpec`, a `mesh` that is not a mesh,
         or keyword arguments in the call.
 

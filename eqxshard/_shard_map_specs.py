@@ -6,6 +6,7 @@ from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from . import _compat
 from ._resolve import per_leaf
 from ._tree import Flat, leaf_error, pathstr, shape_str
 
@@ -70,7 +71,8 @@ def _check_spec_values(
         if not isinstance(spec, PartitionSpec):
             wrong_type.append((path, f"{spec!r} of type {type(spec).__name__}"))
             continue
-        extra = sorted({a for e in spec for a in _axes(e)} - manual, key=str)
+        named = {a for e in _compat.spec_entries(spec) for a in _axes(e)}
+        extra = sorted((named | _compat.spec_reductions(spec)) - manual, key=str)
         if extra and all(a in mesh.axis_names for a in extra):
             not_manual.append((path, f"spec {spec}", f"axes {extra} not in `axis_names`"))
             continue
@@ -124,19 +126,20 @@ def _check_out_specs(
     sizes = dict(mesh.shape)
     for i, spec in specs.items():
         path, shape = pathstr(flat.paths[i]), tuple(flat.leaves[i].shape)
-        used = [a for e in spec for a in _axes(e)]
-        if any(a not in sizes for a in used):
-            missing = [a for a in used if a not in sizes]
+        entries = _compat.spec_entries(spec)
+        used = [a for e in entries for a in _axes(e)]
+        missing = [a for a in (*used, *sorted(_compat.spec_reductions(spec))) if a not in sizes]
+        if missing:
             unknown.append((path, f"spec {spec}", f"axes {missing} not in mesh {list(sizes)}"))
         elif len(set(used)) != len(used):
             twice = sorted({a for a in used if used.count(a) > 1})
             repeated.append((path, f"spec {spec}", f"axes {twice} used more than once"))
-        elif len(spec) > len(shape):
+        elif len(entries) > len(shape):
             rank.append(
                 (
                     path,
                     f"per-device shape {shape_str(shape)}",
-                    f"spec {spec} has {len(spec)} entries",
+                    f"spec {spec} has {len(entries)} entries",
                 )
             )
     for rows, header, fix in (

@@ -479,6 +479,22 @@ def test_error_axis_names():
         f(jnp.ones(8))
 
 
+@pytest.mark.skipif(
+    not hasattr(jax._src.core.get_axis_env(), "explicit_mesh_axis_names"),
+    reason="this JAX records no mesh axes taken by `vmap`",
+)
+def test_error_axis_names_taken_by_vmap():
+    mesh = make_mesh("explicit", shape=(2, 4), names=("x", "y"))
+    xs = jax.device_put(jnp.ones((2, 8)), NamedSharding(mesh, P("x", "y")))
+    f = filter_shard_map(
+        lambda x: x, mesh=mesh, in_specs=P("y"), out_specs=P("y"), axis_names={"x", "y"}
+    )
+    with pytest.raises(ValueError, match=r"names axes \['x'\] that an enclosing `jax.vmap`"):
+        jax.vmap(f)(xs)
+    g = filter_shard_map(lambda x: x, mesh=mesh, in_specs=P("y"), out_specs=P("y"))
+    np.testing.assert_array_equal(jax.vmap(g)(xs), xs)  # `axis_names=None`: the axes left
+
+
 def test_error_out_specs():
     mesh = mesh1()
     x = jnp.ones(8)
