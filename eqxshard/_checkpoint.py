@@ -207,17 +207,20 @@ class AsyncSave:
                 return
             manager, self._manager = self._manager, None
         try:
-            manager.wait_until_finished()
+            _wait_for(manager, self.directory, self.step)
         except BaseException:
+            # No `manager.close()`: in a run of several processes it waits at a barrier
+            # for the others, which wait for this process's part of the save.
+            if _PENDING.get(self.directory) is self:
+                del _PENDING[self.directory]
             _release_waiting_threads()
             _remove_partial(self.directory, self.step)
             raise
+        try:
+            manager.close()
         finally:
-            try:
-                manager.close()
-            finally:
-                if _PENDING.get(self.directory) is self:
-                    del _PENDING[self.directory]
+            if _PENDING.get(self.directory) is self:
+                del _PENDING[self.directory]
 
     def done(self) -> bool:
         """Whether the write has finished (without waiting, and without committing)."""
@@ -232,6 +235,26 @@ class AsyncSave:
 # directory -> its save still being written; a new save to a directory waits for it.
 _PENDING: dict[str, AsyncSave] = {}
 _AT_EXIT: list[bool] = []
+
+
+def _wait_for(manager: Any, directory: str, step: int) -> None:
+    """`manager.wait_until_finished()`, except that a failed write of this process is
+    raised at once: orbax would first wait at a barrier for the other processes, which
+    wait for this one's part, until its timeout (minutes)."""
+    # orbax's writer of this process: its thread, and the error it keeps once it failed.
+    writer = getattr(getattr(manager, "_checkpointer", None), "_async_manager", None)
+    while writer is not None:
+        error = getattr(writer, "_exception", None)
+        if error is not None:
+            raise OSError(
+                f"`filter_save` could not write step {step} to {directory} (process "
+                f"{jax.process_index()}): {type(error).__name__}: {error}"
+            ) from error
+        thread = getattr(writer, "_thread", None)
+        if not isinstance(thread, threading.Thread) or not thread.is_alive():
+            break
+        thread.join(timeout=0.05)
+    manager.wait_until_finished()
 
 
 def _remove_partial(directory: str, step: int) -> None:
