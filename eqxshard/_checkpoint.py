@@ -237,23 +237,65 @@ _PENDING: dict[str, AsyncSave] = {}
 _AT_EXIT: list[bool] = []
 
 
+def _future_error(future: Any, depth: int = 0) -> BaseException | None:
+    """The error of a failed writer thread among orbax's commit `future`s (which only
+    report it once every process is done), if any."""
+    if future is None or depth > 4:
+        return None
+    if isinstance(future, list | tuple):
+        for f in future:
+            if (error := _future_error(f, depth + 1)) is not None:
+                return error
+        return None
+    error = getattr(getattr(future, "_t", None), "_exception", None)
+    if isinstance(error, BaseException):
+        return error
+    return _future_error(getattr(future, "_futures", None), depth + 1)
+
+
+def _capture_write_errors(manager: Any) -> None:
+    """Keeps the error of this process's write where `_wait_for` sees it: orbax's thread
+    that finishes the save takes it from the writer, then waits at a barrier for the
+    other processes before it reports it."""
+    checkpointer = getattr(manager, "_checkpointer", None)
+    wait = getattr(checkpointer, "wait_until_finished", None)
+    if wait is None:
+        return
+
+    def wait_until_finished() -> None:
+        try:
+            wait()
+        except BaseException as e:
+            checkpointer._eqxshard_error = e  # pyright: ignore[reportOptionalMemberAccess]
+            raise
+
+    checkpointer.wait_until_finished = wait_until_finished  # pyright: ignore[reportOptionalMemberAccess]
+
+
 def _wait_for(manager: Any, directory: str, step: int) -> None:
     """`manager.wait_until_finished()`, except that a failed write of this process is
     raised at once: orbax would first wait at a barrier for the other processes, which
     wait for this one's part, until its timeout (minutes)."""
-    # orbax's writer of this process: its thread, and the error it keeps once it failed.
-    writer = getattr(getattr(manager, "_checkpointer", None), "_async_manager", None)
-    while writer is not None:
-        error = getattr(writer, "_exception", None)
-        if error is not None:
+    # orbax's writer of this process (with the error it keeps once it failed), and the
+    # thread that finishes the save (it writes through the writer, then commits).
+    checkpointer = getattr(manager, "_checkpointer", None)
+    finalize = getattr(manager, "_finalize_thread", None)
+    while True:
+        writer = getattr(checkpointer, "_async_manager", None)
+        error = (
+            getattr(writer, "_exception", None)
+            or _future_error(getattr(writer, "_commit_futures", None))
+            or getattr(checkpointer, "_eqxshard_error", None)
+        )
+        if isinstance(error, BaseException):
             raise OSError(
                 f"`filter_save` could not write step {step} to {directory} (process "
                 f"{jax.process_index()}): {type(error).__name__}: {error}"
             ) from error
-        thread = getattr(writer, "_thread", None)
+        thread = getattr(finalize, "get", lambda: None)()
         if not isinstance(thread, threading.Thread) or not thread.is_alive():
             break
-        thread.join(timeout=0.05)
+        threading.Thread.join(thread, timeout=0.05)  # orbax's `join` would raise
     manager.wait_until_finished()
 
 
@@ -455,6 +497,7 @@ def filter_save(
     manager = _manager(
         ocp, directory, create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True
     )
+    _capture_write_errors(manager)
     handle = AsyncSave(manager, directory, step)
     _wait_at_exit()
     try:

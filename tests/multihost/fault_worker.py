@@ -52,8 +52,10 @@ def main() -> None:
             if FAULT == "disk_full":
                 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the signal kills it
                 resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
-        tree = {"w": jnp.ones(8)} if step == FAULT_STEP and faulty and FAULT == "mismatch" else {"w": jnp.ones(8), "extra": jnp.ones(4)}
-        eqxshard.filter_shard(tree, mesh, P("data"))
+        batch = {"x": jnp.ones(8), "y": jnp.ones(4)}
+        if step == FAULT_STEP and faulty and FAULT == "mismatch":
+            batch = {"x": jnp.ones(8)}  # the other process passes "y" too
+        eqxshard.filter_shard(batch, mesh, P("data"))
         params = step_fn(params)
         jax.block_until_ready(params)
         print(f"step {step}", flush=True)
