@@ -41,7 +41,7 @@ def _end_now(code: int, why: str) -> None:
     """Ends this process at once with `code`, skipping JAX's shutdown barrier (which would
     wait for processes that themselves wait for this one in a collective)."""
     try:
-        from ._checkpoint import unfinished_saves
+        from ._async_save import unfinished_saves
 
         for save in unfinished_saves():
             print(
