@@ -37,19 +37,106 @@ def _check_count(join: _clusters.Join) -> None:
     )
 
 
-def _exit_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    """`sys.excepthook` of a multi-process run: the traceback, then an immediate exit."""
+def _end_now(code: int, why: str) -> None:
+    """Ends this process at once with `code`, skipping JAX's shutdown barrier (which would
+    wait for processes that themselves wait for this one in a collective)."""
     try:
-        traceback.print_exception(kind, value, tb)
+        from ._async_save import unfinished_saves
+
+        for save in unfinished_saves():
+            print(
+                f"eqxshard: the background save of step {save.step} to {save.directory} is "
+                "NOT finished (the process ends at once on an error).",
+                file=sys.stderr,
+            )
         print(
-            f"eqxshard: process {jax.process_index()} ended by an uncaught "
-            f"{kind.__name__}, without waiting for the other processes.",
+            f"eqxshard: process {jax.process_index()} ended by {why} (exit code {code}), "
+            "without waiting for the other processes.",
             file=sys.stderr,
         )
         sys.stderr.flush()
         sys.stdout.flush()
     finally:
-        os._exit(1)
+        os._exit(code)
+
+
+def _exit_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """`sys.excepthook` of a multi-process run: the traceback, then an immediate exit."""
+    try:
+        traceback.print_exception(kind, value, tb)
+    finally:
+        _end_now(1, f"an uncaught {kind.__name__}")
+
+
+def _status_code(status: Any) -> int:
+    """The exit code Python gives `sys.exit(status)` (a message is printed, code 1)."""
+    if status is None:
+        return 0
+    if isinstance(status, int):
+        return status & 0xFF
+    return 1
+
+
+class _Exit(SystemExit):
+    """What `sys.exit` raises in a multi-process run: a `SystemExit` like any other
+    (catchable, same `code`), except when it reaches the top of the program with a
+    non-zero code: Python reads `code` then, with no Python frame left on the stack, and
+    the process ends at once instead of waiting in JAX's shutdown barrier."""
+
+    @property
+    def code(self) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
+        status = self.__dict__.get("_code", self.args[0] if len(self.args) == 1 else None)
+        if len(self.args) > 1 and "_code" not in self.__dict__:
+            status = self.args
+        frame = sys._getframe()
+        if frame.f_back is None and _status_code(status) != 0:
+            if not isinstance(status, int):
+                print(status, file=sys.stderr)
+            _end_now(_status_code(status), f"sys.exit({status!r})")
+        return status
+
+    @code.setter
+    def code(self, value: Any) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        self.__dict__["_code"] = value
+
+
+def _exit(status: Any = None) -> None:
+    raise _Exit(status)
+
+
+_exit.__doc__ = sys.exit.__doc__
+
+
+def _end_promptly_on_errors() -> None:
+    """Makes an uncaught exception and `sys.exit(n)` with n != 0 end this process at once."""
+    sys.excepthook = _exit_on_uncaught
+    sys.exit = _exit
+
+
+def _check_arguments(
+    initialization_timeout: Any, heartbeat_timeout_seconds: Any, exit_on_error: Any
+) -> None:
+    """The checks of `initialize`'s own arguments, before anything is joined."""
+    for name, value in (
+        ("initialization_timeout", initialization_timeout),
+        ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"`initialize` takes `{name}` as an int number of seconds or None, but got "
+                f"{type(value).__name__} {value!r}."
+            )
+        if value < 1:
+            raise ValueError(
+                f"`initialize` takes `{name}` >= 1 second, but got {value}. Pass `None` for "
+                "JAX's default."
+            )
+    if not isinstance(exit_on_error, bool):
+        raise TypeError(
+            f"`initialize` takes `exit_on_error` as a bool, but got {type(exit_on_error).__name__}."
+        )
 
 
 def initialize(
@@ -86,12 +173,17 @@ def initialize(
 
     A run that is already initialised is left as it is.
 
-    In a run of several processes, an uncaught exception then ends its process at once
-    (exit code 1, after printing the traceback) with `exit_on_error=True`. Without it, the
-    process would wait at exit in JAX's shutdown barrier for the others, which wait for it
-    in their next collective: the whole run hangs until JAX's timeouts (minutes). Ended at
-    once, the others stop too: `python -m eqxshard.launch` ends them, and under any other
-    launcher they exit with an error after `heartbeat_timeout_seconds`.
+    In a run of several processes, with `exit_on_error=True`, a process that fails ends
+    at once: an uncaught exception with exit code 1 (after printing the traceback), and
+    `sys.exit(n)` with n != 0 with code n (after printing a message given instead of a
+    code). Without it, the process would wait at exit in JAX's shutdown barrier for the
+    others, which wait for it in their next collective: the whole run hangs until JAX's
+    timeouts (minutes), and then ends with the wrong code. Ended at once, the others stop
+    too: `python -m eqxshard.launch` ends them and exits with this process's code, and
+    under any other launcher they exit with an error after `heartbeat_timeout_seconds`.
+    `sys.exit(0)` and the end of the script wait for the others as usual. Not covered:
+    `raise SystemExit(n)` written out (use `sys.exit(n)`), and `os._exit(n)`, which ends
+    the process at once anyway.
 
     **Arguments:**
 
@@ -101,10 +193,11 @@ def initialize(
       taken as dead; every other process then exits with an error ("the JAX distributed
       service detected fatal errors") instead of waiting for it. `None` keeps JAX's
       default (100).
-    - `exit_on_error`: end this process at once on an uncaught exception (see above),
-      by setting `sys.excepthook`. Such an exit skips `atexit` handlers: a checkpoint
-      still being written in the background is not finished (the one before it stays
-      the newest).
+    - `exit_on_error`: end this process at once on an uncaught exception or a non-zero
+      `sys.exit` (see above), by setting `sys.excepthook` and `sys.exit` (a `SystemExit`
+      all the same, which `except SystemExit` catches). Such an exit skips `atexit`
+      handlers: a checkpoint still being written in the background is not finished (it
+      says so on stderr; the one before it stays the newest).
 
     **Returns:**
 
@@ -116,14 +209,16 @@ def initialize(
 
     **Raises:**
 
-    - `ValueError`: if the launcher's variables are not integers, or `JAX_COORDINATOR_ADDRESS`
-      is missing beside them; if an MPI run spans several nodes and neither
-      `JAX_COORDINATOR_ADDRESS` nor mpi4py says where process 0 is; if an MPI run on one
-      node has no job id to derive the port from and no `JAX_COORDINATOR_PORT`.
+    - `TypeError`: if an argument has the wrong type.
+    - `ValueError`: if a timeout is < 1; if the launcher's variables are not integers, or
+      `JAX_COORDINATOR_ADDRESS` is missing beside them; if an MPI run spans several nodes
+      and neither `JAX_COORDINATOR_ADDRESS` nor mpi4py says where process 0 is; if an MPI
+      run on one node has no job id to derive the port from and no `JAX_COORDINATOR_PORT`.
     - `RuntimeError`: if the run has another process count than the environment says
       (the variables seen are in the message).
     - `RuntimeError`: from JAX, if a JAX computation already ran in this process.
     """
+    _check_arguments(initialization_timeout, heartbeat_timeout_seconds, exit_on_error)
     if jax.distributed.is_initialized():
         return "already initialized"
     timeouts: dict[str, Any] = {}
@@ -137,5 +232,5 @@ def initialize(
     jax.distributed.initialize(**join.kwargs, **timeouts)
     _check_count(join)
     if exit_on_error and jax.process_count() > 1:
-        sys.excepthook = _exit_on_uncaught
+        _end_promptly_on_errors()
     return join.how

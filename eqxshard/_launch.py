@@ -23,13 +23,16 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import IO
+from typing import IO, TypeGuard
 
 from ._initialize import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
 # How often the launcher looks at its processes, and how long a SIGTERM has before SIGKILL.
+# JAX catches SIGTERM (it takes it as a preemption notice and carries on), so for a JAX
+# process the grace period is only a delay: kept short, a survivor ends about 1 s after a
+# process failed.
 _POLL_S = 0.05
-GRACE_S = 5.0
+GRACE_S = 1.0
 # Exit codes of the launcher itself, as `timeout` and shells use them.
 TIMEOUT_EXIT = 124
 INTERRUPT_EXIT = 130
@@ -123,6 +126,69 @@ def _end_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
         p.wait()
 
 
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_arguments(
+    command: object,
+    num_processes: object,
+    devices_per_process: object,
+    port: object,
+    timeout: object,
+    grace: object,
+    env: object,
+) -> None:
+    """The checks of `launch`, before any process is started."""
+    if isinstance(command, str | bytes) or not isinstance(command, Sequence):
+        raise TypeError(
+            f"`command` must be a list of strings, e.g. `['train.py', '--steps', '10']`, but "
+            f"got {type(command).__name__} {command!r}."
+        )
+    if not command:
+        raise ValueError("`command` is empty: give the script to run, e.g. `-- train.py`.")
+    if not all(isinstance(part, str) for part in command):
+        raise TypeError(f"`command` must be a list of strings, but got {list(command)!r}.")
+    for name, value in (
+        ("num_processes", num_processes),
+        ("devices_per_process", devices_per_process),
+    ):
+        if value is None and name == "devices_per_process":
+            continue
+        if not _is_int(value):
+            raise TypeError(f"`{name}` must be an int, but got {type(value).__name__} {value!r}.")
+        if value < 1:
+            raise ValueError(f"`{name}` must be at least 1, got {value}.")
+    if port is not None:
+        if not _is_int(port):
+            raise TypeError(
+                f"`port` must be an int or None, but got {type(port).__name__} {port!r}."
+            )
+        if not 1 <= port <= 65535:
+            raise ValueError(
+                f"`port` must be a TCP port in 1..65535, got {port}; `None` picks a free one."
+            )
+    if timeout is not None:
+        if not _is_number(timeout):
+            raise TypeError(
+                f"`timeout` must be a number of seconds or None, but got {type(timeout).__name__}."
+            )
+        if not timeout > 0:
+            raise ValueError(f"`timeout` must be positive, got {timeout}.")
+    if not _is_number(grace):
+        raise TypeError(f"`grace` must be a number of seconds, but got {type(grace).__name__}.")
+    if not grace >= 0:
+        raise ValueError(f"`grace` must be >= 0 seconds, got {grace}.")
+    if env is not None and not isinstance(env, Mapping):
+        raise TypeError(
+            f"`env` must be a mapping of strings or None, but got {type(env).__name__}."
+        )
+
+
 def launch(
     command: Sequence[str],
     *,
@@ -144,7 +210,8 @@ def launch(
       only). `None` leaves the platform and device count to JAX.
     - `port`: the coordinator's port on 127.0.0.1; `None` picks a free one.
     - `timeout`: seconds the whole run may take; `None` for no limit.
-    - `grace`: seconds between SIGTERM and SIGKILL when processes are ended.
+    - `grace`: seconds between SIGTERM and SIGKILL when processes are ended. JAX catches
+      SIGTERM and carries on, so a JAX process is ended by the SIGKILL, `grace` s later.
     - `env`: the environment of the processes before the launcher's variables;
       `None` is this process's.
 
@@ -155,16 +222,11 @@ def launch(
 
     **Raises:**
 
-    - `ValueError`: if `command` is empty, or a count or `timeout` is not positive.
+    - `TypeError`: if an argument has the wrong type (e.g. `command` a string).
+    - `ValueError`: if `command` is empty, a count or `timeout` is not positive, `port`
+      is not in 1..65535, or `grace` is negative.
     """
-    if not command:
-        raise ValueError("`command` is empty: give the script to run, e.g. `-- train.py`.")
-    if num_processes < 1:
-        raise ValueError(f"`num_processes` must be at least 1, got {num_processes}.")
-    if devices_per_process is not None and devices_per_process < 1:
-        raise ValueError(f"`devices_per_process` must be at least 1, got {devices_per_process}.")
-    if timeout is not None and timeout <= 0:
-        raise ValueError(f"`timeout` must be positive, got {timeout}.")
+    _check_arguments(command, num_processes, devices_per_process, port, timeout, grace, env)
     port = free_port() if port is None else port
     base = dict(os.environ if env is None else env)
     argv = child_command(command)
@@ -267,6 +329,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--timeout", type=float, default=None, help="end the run after this many seconds"
     )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_S,
+        help=f"seconds from SIGTERM to SIGKILL when ending processes (default {GRACE_S:g})",
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- script.py [args ...]")
     return parser
 
@@ -287,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices_per_process=args.devices_per_process,
             port=args.port,
             timeout=args.timeout,
+            grace=args.grace,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, NamedSharding, Sharding
 from jaxtyping import PyTree
 
 from . import _compat
-from ._checkpoint import _directory, _manager, _names, _orbax, _step, _steps
+from ._checkpoint import _all_steps, _directory, _manager, _names, _orbax, _step, _steps, damage
 from ._plan import is_array_like, plan_shardings
 from ._tree import Flat, leaf_error, pathstr, shape_str
 
@@ -90,6 +90,9 @@ def filter_restore(
 
     - `ImportError`: if `orbax-checkpoint` is not installed.
     - `FileNotFoundError`: if `directory` holds no checkpoint, or not `step`.
+    - `ValueError`: if `step` is damaged (metadata or array data missing or unreadable),
+        naming what is and the newest good step before it. With `step=None` damaged steps
+        are skipped (with a warning), as by `latest_step`.
     - `ValueError`: if the checkpoint and `like` differ in leaves, shapes or dtypes (every
         such leaf listed), if a leaf has no sharding to read into, and the `ValueError`s
         and `TypeError`s of `filter_shard` about `target` and `spec`.
@@ -112,19 +115,27 @@ def filter_restore(
     verb = "filter_restore"
     ocp = _orbax(verb)
     directory = _directory(directory, verb)
-    steps = _steps(ocp, directory)
-    if not steps:
-        raise FileNotFoundError(
-            f"`filter_restore` found no checkpoint in {directory}. Check the directory, or "
-            "use `latest_step(directory) is None` to start from scratch."
-        )
+    all_steps = _all_steps(ocp, directory)
+    # An explicit step is read or is an error; only `step=None` skips damaged ones, saying so.
+    steps = _steps(ocp, directory, warn=step is None)
     if step is None:
+        if not steps:
+            damaged = f" (damaged steps, skipped: {all_steps})" if all_steps else ""
+            raise FileNotFoundError(
+                f"`filter_restore` found no checkpoint in {directory}{damaged}. Check the "
+                "directory, or use `latest_step(directory) is None` to start from scratch."
+            )
         step = steps[-1]
-    elif _step(step, verb) not in steps:
-        raise FileNotFoundError(
-            f"`filter_restore` found no step {step} in {directory}; it holds steps {steps}."
-        )
-
+    else:
+        step = _step(step, verb)
+        if step not in all_steps:
+            raise FileNotFoundError(
+                f"`filter_restore` found no step {step} in {directory}; it holds steps "
+                f"{steps}. Pass one of them as `step`, or `step=None` for the newest."
+            )
+        problem = damage(directory, step)
+        if problem is not None:
+            raise _damaged(directory, step, problem, steps)
     flat = Flat(like, is_array=is_array_like)
     shardings: dict[int, Sharding] = {}
     if target is None and spec is None:
@@ -158,14 +169,26 @@ def filter_restore(
 
     manager = _manager(ocp, directory, create=False)
     try:
-        metadata = manager.item_metadata(step)
-        saved = getattr(metadata, "tree", metadata)
+        try:
+            metadata = manager.item_metadata(step)
+            saved = getattr(metadata, "tree", metadata)
+            if not isinstance(saved, dict):
+                raise ValueError(f"its metadata holds {type(saved).__name__}, not a tree")
+        except Exception as e:
+            raise _damaged(
+                directory, step, f"its metadata is unreadable ({_short(e)})", steps
+            ) from e
         _check_matches(directory, step, flat, names, saved)
         abstract = {}
         for name, i in names.items():
             stored = _stored(flat.leaves[i])
             abstract[name] = jax.ShapeDtypeStruct(stored.shape, stored.dtype, sharding=shardings[i])
-        restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        try:
+            restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:
+            raise _damaged(
+                directory, step, f"its array data is unreadable ({_short(e)})", steps
+            ) from e
     finally:
         manager.close()
     out = {}
@@ -176,6 +199,25 @@ def filter_restore(
             value = jax.random.wrap_key_data(value, impl=_key_impl(leaf))
         out[i] = value
     return flat.rebuild(out)
+
+
+def _short(e: BaseException) -> str:
+    """An error of orbax or tensorstore in brief (their messages run to pages)."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _damaged(directory: str, step: int, problem: str, steps: list[int]) -> ValueError:
+    """The one error for a step that cannot be read, pointing to the good step before."""
+    earlier = [s for s in steps if s < step]
+    if earlier:
+        hint = (
+            f"The newest good step before it is {earlier[-1]}: pass `step={earlier[-1]}`, "
+            f"or delete {os.path.join(directory, str(step))} and restore with `step=None`."
+        )
+    else:
+        hint = "There is no good step before it: start from scratch or restore another copy."
+    return ValueError(f"`filter_restore` cannot read step {step} in {directory}: {problem}. {hint}")
 
 
 def _check_matches(

@@ -7,8 +7,11 @@ The 2-process round trips are in `tests/multihost/test_checkpoint_multihost.py`.
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import equinox as eqx
@@ -321,3 +324,186 @@ def test_async_handle_repr(tmp_path: Path) -> None:
     handle = filter_save(tmp_path, 4, {"a": jnp.zeros(2)})
     assert repr(handle) == f"AsyncSave(directory={str(tmp_path)!r}, step=4, done)"
     assert isinstance(handle, _checkpoint.AsyncSave)
+
+
+# ----------------------------------------------------------------------------- hardening
+
+
+def _run_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`code` in a fresh Python (8 CPU devices), bounded by `timeout` s (a hang fails)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(eqxshard.__file__).resolve().parents[1]), env.get("PYTHONPATH")])
+    )
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the script did not end within {timeout} s; stderr: {e.stderr!r}")
+
+
+def test_a_background_save_is_finished_when_the_program_ends(tmp_path: Path) -> None:
+    """The script's last line starts a save with `wait=False`; the step is on disk."""
+    code = (
+        "import sys, jax, jax.numpy as jnp, eqxshard\n"
+        "eqxshard.filter_save(sys.argv[1], 3, {'w': jnp.arange(512.0**2).reshape(512, 512)},"
+        " wait=False)\n"
+    )
+    done = _run_script(code, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "cannot schedule new futures" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
+    assert latest_step(tmp_path) == 3
+    like = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32)}
+    out = filter_restore(tmp_path, like, jax.devices()[0])
+    assert (out["w"] == jnp.arange(512.0**2).reshape(512, 512)).all()
+
+
+def test_a_failed_background_save_at_exit_is_reported(tmp_path: Path) -> None:
+    """A save whose write fails at exit says so on stderr and leaves no temporary dir."""
+    code = (
+        "import sys, jax.numpy as jnp, eqxshard\n"
+        "from eqxshard import _checkpoint\n"
+        "h = eqxshard.filter_save(sys.argv[1], 3, {'w': jnp.ones(4)}, wait=False)\n"
+        "class Broken:\n"
+        "    def wait_until_finished(self): raise OSError('No space left on device')\n"
+        "    def close(self): pass\n"
+        "h._manager.wait_until_finished()\n"  # the real write is done; a broken one replaces it
+        "h._manager.close()\n"
+        "h._manager = Broken()\n"
+        "h.step = 4\n"
+    )
+    done = _run_script(code, str(tmp_path))
+    assert "background save of step 4" in done.stderr, done.stderr
+    assert "NOT on disk: OSError: No space left on device" in done.stderr
+
+
+def test_failed_saves_end_promptly_and_leave_nothing(tmp_path: Path) -> None:
+    """A save into a file and a save of a zero-size leaf fail up front: no temporary
+    directory, and no orbax thread keeps Python from exiting (it waited 300 s)."""
+    code = (
+        "import os, sys, threading, jax.numpy as jnp, eqxshard\n"
+        "d = sys.argv[1]\n"
+        "open(os.path.join(d, 'file'), 'w').close()\n"
+        "for directory, tree in [(os.path.join(d, 'file'), {'w': jnp.ones(4)}),\n"
+        "                        (os.path.join(d, 'file', 'sub'), {'w': jnp.ones(4)}),\n"
+        "                        (os.path.join(d, 'ckpt'), {'w': jnp.zeros((0, 3))})]:\n"
+        "    try:\n"
+        "        eqxshard.filter_save(directory, 3, tree)\n"
+        "    except (ValueError, NotADirectoryError) as e:\n"
+        "        print(type(e).__name__ + ':', str(e).splitlines()[0])\n"
+        "print('threads', len(threading.enumerate()))\n"
+    )
+    done = _run_script(code, str(tmp_path), timeout=90)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("NotADirectoryError: `filter_save` cannot write to `directory`")
+    assert "it is a file" in lines[0]
+    assert "is inside" in lines[1] and "which is a file" in lines[1]
+    assert lines[2].startswith("ValueError: `filter_save` cannot save arrays with a zero-size")
+    assert lines[3] == "threads 1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_zero_size_leaves_are_rejected_before_anything_is_written(tmp_path: Path) -> None:
+    tree = {"a": jnp.zeros((0, 3)), "b": jnp.ones(2), "c": {"d": jnp.zeros((2, 0))}}
+    with pytest.raises(ValueError, match=r"zero-size(.|\n)*\['a'\] +shape \(0, 3\)") as info:
+        filter_save(tmp_path / "c", 0, tree)
+    assert "['c']['d']  shape (2, 0)" in str(info.value)
+    assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "value, exc, match",
+    [
+        (1.5, TypeError, r"`max_to_keep` as an int >= 1 or None, but got 1\.5 \(float\)"),
+        (2.0, TypeError, r"`max_to_keep` as an int >= 1 or None, but got 2\.0 \(float\)"),
+        ("3", TypeError, r"`max_to_keep` as an int >= 1 or None, but got '3' \(str\)"),
+        (True, TypeError, r"`max_to_keep` as an int"),
+        (0, ValueError, r"`max_to_keep` >= 1 or None, but got 0"),
+    ],
+)
+def test_bad_max_to_keep_writes_nothing(tmp_path: Path, value, exc, match) -> None:
+    with pytest.raises(exc, match=match):
+        filter_save(tmp_path, 1, {"w": jnp.ones(2)}, max_to_keep=value)
+    assert not tmp_path.joinpath("1").exists() and latest_step(tmp_path) is None
+
+
+def _two_steps(tmp_path: Path) -> dict:
+    tree = {"w": jnp.arange(4.0), "b": jnp.ones((2, 3))}
+    filter_save(tmp_path, 1, tree)
+    filter_save(tmp_path, 2, jax.tree.map(lambda x: x + 1, tree))
+    return tree
+
+
+def _like() -> dict:
+    return {
+        "w": jax.ShapeDtypeStruct((4,), jnp.float32),
+        "b": jax.ShapeDtypeStruct((2, 3), jnp.float32),
+    }
+
+
+def _damage(step_dir: Path, how: str) -> str:
+    """Damages the saved step `step_dir`; returns what the error must say is wrong."""
+    if how == "no _METADATA":
+        (step_dir / "default" / "_METADATA").unlink()
+        return r"default/_METADATA is missing"
+    if how == "garbage _METADATA":
+        (step_dir / "default" / "_METADATA").write_text("{not json")
+        return r"default/_METADATA is unreadable \(JSONDecodeError"
+    if how == "empty":
+        for p in sorted(step_dir.rglob("*"), reverse=True):
+            p.rmdir() if p.is_dir() else p.unlink()
+        return r"_CHECKPOINT_METADATA is missing"
+    assert how == "truncated data"
+    for p in step_dir.rglob("*"):
+        if p.is_file() and p.parent.name == "d":
+            p.write_bytes(p.read_bytes()[:5])
+    return r"(metadata|array data) is unreadable \(ValueError: "
+
+
+@pytest.mark.parametrize("how", ["no _METADATA", "garbage _METADATA", "empty", "truncated data"])
+def test_a_damaged_step_is_one_clear_error(tmp_path: Path, how: str) -> None:
+    tree = _two_steps(tmp_path)
+    said = _damage(tmp_path / "2", how)
+    like, device = _like(), jax.devices()[0]
+    with pytest.raises(ValueError) as info:
+        filter_restore(tmp_path, like, device, step=2)
+    message = str(info.value)
+    assert message.startswith(f"`filter_restore` cannot read step 2 in {tmp_path}: ")
+    assert re.search(said, message), message
+    assert "The newest good step before it is 1: pass `step=1`" in message
+    if how == "truncated data":  # only reading the arrays finds it: the step still counts
+        assert latest_step(tmp_path) == 2
+        return
+    # metadata damage: the step is skipped, once with a warning, then silently
+    with pytest.warns(UserWarning, match=rf"skips step 2 in {re.escape(str(tmp_path))}"):
+        assert latest_step(tmp_path) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert latest_step(tmp_path) == 1
+        assert_tree_values(filter_restore(tmp_path, like, device), tree)
+    with pytest.raises(ValueError, match="step 2 already saved \\(damaged\\)"):
+        filter_save(tmp_path, 2, tree)
+
+
+def test_a_damaged_first_step_has_no_good_step_before(tmp_path: Path) -> None:
+    filter_save(tmp_path, 1, {"w": jnp.ones(4)})
+    (tmp_path / "1" / "default" / "_METADATA").unlink()
+    with pytest.warns(UserWarning, match="skips step 1"):
+        with pytest.raises(
+            FileNotFoundError, match=r"no checkpoint in .*damaged steps, skipped: \[1\]"
+        ):
+            filter_restore(
+                tmp_path, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, jax.devices()[0]
+            )
+    with pytest.raises(ValueError, match="no good step before it"):
+        filter_restore(
+            tmp_path, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, jax.devices()[0], step=1
+        )

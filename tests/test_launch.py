@@ -305,3 +305,68 @@ def test_an_uncaught_exception_ends_the_jax_run(tmp_path):
     assert "[1] RuntimeError: boom" in result.stderr
     assert "[1] eqxshard: process 1 ended by an uncaught RuntimeError" in result.stderr
     assert "[launch] the run took longer" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- sys.exit
+
+
+def test_sys_exit_after_initialize_is_still_a_system_exit(monkeypatch):
+    """`sys.exit` as set by `initialize` raises a `SystemExit` that code can catch and
+    read as before; only one reaching the top of the program ends the process at once."""
+    monkeypatch.setattr(sys, "exit", sys.exit)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    _initialize._end_promptly_on_errors()
+    for status, code in [(3, 3), (None, None), ("bye", "bye"), (0, 0)]:
+        with pytest.raises(SystemExit) as info:
+            sys.exit(status)
+        assert info.value.code == code
+    with pytest.raises(SystemExit) as info:
+        sys.exit(4)
+    info.value.code = 5
+    assert info.value.code == 5
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "atexit_ran"), [("3", 3, False), ("'bye'", 1, False), ("0", 0, True)]
+)
+def test_sys_exit_at_the_top_ends_at_once_with_its_code(tmp_path, status, code, atexit_ran):
+    """Non-zero: the process ends at once (no `atexit` handlers, where JAX's shutdown
+    barrier waits), with the code `sys.exit` was given; zero: Python exits as usual."""
+    child = script(
+        tmp_path,
+        f"""
+        import atexit, sys
+        from eqxshard import _initialize
+        _initialize._end_promptly_on_errors()
+        atexit.register(lambda: print("atexit ran", flush=True))
+        try:
+            sys.exit(7)
+        except SystemExit as e:
+            print("caught", e.code, flush=True)
+        sys.exit({status})
+        """,
+    )
+    done = subprocess.run(
+        [sys.executable, str(child)],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env=child_env(),
+    )
+    assert done.returncode == code, done.stderr
+    assert "caught 7" in done.stdout
+    assert ("atexit ran" in done.stdout) == atexit_ran
+    if code:
+        assert f"ended by sys.exit({status}) (exit code {code})" in done.stderr
+    if status == "'bye'":
+        assert "bye\n" in done.stderr
+
+
+def test_cli_grace(capsys):
+    with pytest.raises(SystemExit):
+        _launch.main(["--help"])
+    assert "--grace" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        _launch.main(["-n", "1", "--grace", "-1", "--", "x.py"])
+    assert info.value.code == 2
+    assert "`grace` must be >= 0 seconds, got -1.0" in capsys.readouterr().err
