@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # each runs a subprocess: CI runs these on the newest JAX only
+
 ROOT = Path(__file__).resolve().parent.parent
 # Files starting with "_" are modules the examples import (so they run with them), not
 # examples.

@@ -19,6 +19,8 @@ import nbclient
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.heavy  # each runs a kernel: CI runs these on the newest JAX only
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 
