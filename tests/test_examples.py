@@ -73,3 +73,14 @@ def test_placement_benchmark_quick():
     assert result.returncode == 0, output
     assert "480 array leaves" in result.stdout, output
     assert re.search(r"\(c\) compiled HLO, both f\s+identical", result.stdout), output
+
+
+def test_multihost_resume_of_a_finished_run_says_so(tmp_path: Path):
+    script = ROOT / "examples" / "train_multihost.py"
+    args = ("--steps", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path))
+    fresh = run_script(script, *args, "--resume")  # 2 steps: too few for its learning check
+    assert "no checkpoint in" in fresh.stdout and "starting at step 0" in fresh.stdout
+    again = run_script(script, *args, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from the checkpoint of step 2" in again.stdout
+    assert "nothing left to do" in again.stdout, again.stdout
