@@ -15,6 +15,7 @@ from pathlib import Path
 
 import ipykernel  # noqa: F401  (the kernel the notebooks run in)
 import jax
+import matplotlib.font_manager  # noqa: F401  (builds the font cache here, not in a kernel's stderr)
 import nbclient
 import nbformat
 import pytest
