@@ -4,7 +4,6 @@ the total bytes on each device, for a plan or for a tree already placed."""
 from __future__ import annotations
 
 import dataclasses
-import html
 import math
 from typing import Any
 
@@ -128,13 +127,17 @@ class ShardingTable:
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        header, body = self._columns()
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-        cells = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body
-        )
-        notes = "".join(f"<p>{html.escape(line)}</p>" for line in self._summary())
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{cells}</tbody></table>{notes}"
+        """A notebook's view: the table with each leaf's layout over its mesh as a grid of
+        devices, and the bytes on each device as bars."""
+        from ._describe_view import to_html
+
+        return to_html(self)
+
+    def __rich__(self) -> Any:
+        """A terminal's view through `rich.print(table)`: the same pictures in colour."""
+        from ._describe_view import to_rich
+
+        return to_rich(self)
 
 
 def format_bytes(n: int) -> str:

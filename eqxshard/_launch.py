@@ -25,6 +25,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, TypeGuard
 
+from ._gloo_chatter import GlooChatter
 from ._initialize import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
 # How often the launcher looks at its processes, and how long a SIGTERM has before SIGKILL.
@@ -80,11 +81,13 @@ def child_command(command: Sequence[str]) -> list[str]:
 
 
 def _forward(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+    chatter = GlooChatter()  # one per process: its messages can be split over two lines
     for line in iter(stream.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
         with lock:
-            out.write(prefix + line)
+            for kept in chatter.filter(line):
+                out.write(prefix + kept)
             out.flush()
     stream.close()
 

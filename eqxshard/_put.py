@@ -6,10 +6,10 @@ from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
-from jaxtyping import PyTree
 
 from . import _compat, _place, _resolve
 from ._tree import Flat, leaf_error, pathstr
+from ._typevars import T
 
 
 def _backend_sharding(name: str) -> Sharding:
@@ -37,7 +37,7 @@ def _memory_kinds(sharding: Sharding | None) -> set[str]:
     return {m.kind for m in device.addressable_memories()}
 
 
-def filter_put(tree: PyTree, target: Any = None, *, memory_kind: str | None = None) -> PyTree:
+def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -> T:
     """Moves (and commits) every array leaf of `tree` to a device, a backend, a sharding
     and/or a memory kind.
 

@@ -8,12 +8,12 @@ from typing import Any
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
-from jaxtyping import PyTree
 
 from . import _compat
 from ._checkpoint import _all_steps, _directory, _manager, _names, _orbax, _step, _steps, damage
 from ._plan import is_array_like, plan_shardings
 from ._tree import Flat, leaf_error, pathstr, shape_str
+from ._typevars import T
 
 
 def _own_sharding(leaf: Any) -> Sharding | None:
@@ -50,12 +50,12 @@ def _describe_stored(shape: Any, dtype: Any) -> str:
 
 def filter_restore(
     directory: str | os.PathLike,
-    like: PyTree,
+    like: T,
     target: Any = None,
     spec: Any = None,
     *,
     step: int | None = None,
-) -> PyTree:
+) -> T:
     """Reads a checkpoint written by `filter_save` into the layout `target`/`spec` describe.
 
     `like` gives the structure and the non-array leaves; its array leaves may be arrays

@@ -12,18 +12,19 @@ from jaxtyping import PyTree
 
 from . import _place, _resolve
 from ._tree import Flat
+from ._typevars import T
 
 SpecLike = PartitionSpec | PyTree[PartitionSpec | None] | Callable[[Any, Any], Any] | None
 
 
 def filter_shard(
-    tree: PyTree,
+    tree: T,
     target: Any = None,
     spec: SpecLike = None,
     *,
     process_local: bool = False,
     check_consistent: bool = True,
-) -> PyTree:
+) -> T:
     """Gives every array leaf of `tree` the layout that `target` and `spec` describe.
 
     Outside `jax.jit` this is a real transfer: one batched `jax.device_put` over every
@@ -154,7 +155,7 @@ def filter_shard(
     return flat.rebuild(placed)
 
 
-def filter_replicate(tree: PyTree, mesh: Mesh | None = None) -> PyTree:
+def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
     """Replicates every array leaf of `tree` on every device of `mesh`.
 
     Works inside and outside `jax.jit`; non-array leaves are returned unchanged. The same

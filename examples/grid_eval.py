@@ -5,19 +5,23 @@ hundreds of MB of temporaries, more than the (pretend) device budget below. This
 
 1. measures the temporaries of `vmap` and of `eqxshard.filter_map` with
    `compiled.memory_analysis()` and picks the largest `batch_size` that fits the budget;
-2. evaluates the grid with `filter_map`, on one device and sharded over 8 devices (each
-   device works through its own rows, chunk by chunk, with no communication);
+2. evaluates the grid with `filter_map`, on one device and sharded over every device
+   (each works through its own rows, chunk by chunk, with no communication);
 3. streams a grid kept in host memory with `eqxshard.filter_stream`, the way one would
    evaluate data that does not fit on the devices at all.
 
     python examples/grid_eval.py
 """
 
+import os
 import time
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)  # 8 simulated devices on CPU, before JAX starts
+# 8 simulated devices on CPU (JAX_NUM_CPU_DEVICES=n for another count), before JAX
+# starts. GPUs and TPUs are not affected: the script uses every device it finds.
+if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -62,14 +66,15 @@ def main() -> None:
         if mb <= BUDGET_MB:
             break
 
-    # 2. Evaluate with the chunk size that fits, on one device and then on 8.
+    # 2. Evaluate with the chunk size that fits, on one device and then on all of them.
     run = eqx.filter_jit(chunked)
     values = run(model, points).block_until_ready()
     start = time.perf_counter()
     values = run(model, points).block_until_ready()
     print(f"one device: {time.perf_counter() - start:.2f} s")
 
-    mesh = jax.make_mesh((8,), ("points",), axis_types=(AxisType.Explicit,))
+    n = jax.device_count()
+    mesh = jax.make_mesh((n,), ("points",), axis_types=(AxisType.Explicit,))
     sharded_points = jax.device_put(points, NamedSharding(mesh, P("points")))
     replicated_model = eqxshard.filter_replicate(model, mesh)
     run_sharded = eqx.filter_jit(chunked)
@@ -77,13 +82,13 @@ def main() -> None:
     start = time.perf_counter()
     sharded_values = run_sharded(replicated_model, sharded_points).block_until_ready()
     print(
-        f"8 devices: {time.perf_counter() - start:.2f} s, output sharding "
+        f"{n} devices: {time.perf_counter() - start:.2f} s, output sharding "
         f"{sharded_values.sharding.spec}"
     )
 
-    # 3. The same grid from host memory, in chunks, onto the 8 devices.
+    # 3. The same grid from host memory, in chunks, onto all the devices.
     host_points = np.asarray(points)
-    stream = filter_stream(evaluate, batch_size=8 * 4096, in_axes=(None, 0), mesh=mesh)
+    stream = filter_stream(evaluate, batch_size=n * 4096, in_axes=(None, 0), mesh=mesh)
     streamed = stream(replicated_model, host_points)
 
     # The three agree, and match a plain vmap on a slice small enough to fit.

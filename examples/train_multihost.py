@@ -140,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
             model, opt_state = eqxshard.filter_restore(args.checkpoint_dir, state, step=latest)
             start = latest
             log(f"resumed from the checkpoint of step {start}")
+            if start >= args.steps:
+                log(
+                    f"nothing left to do: the checkpoint of step {start} is at or past "
+                    f"--steps {args.steps} (raise --steps to train on)"
+                )
+        else:
+            log(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting at step 0")
 
     @eqx.filter_jit
     def train_step(model, opt_state, x, y):

@@ -86,8 +86,8 @@ def test_str_and_html() -> None:
     assert "Largest unsharded leaves (whole on every device): b (256 B)." in text
     assert repr(table) == text
     html = table._repr_html_()
-    assert html.startswith("<table>") and "<td>w&lt;1&gt;</td>" in html and "w<1>" not in html
-    assert "<p>Each of the 8 devices holds 2.2 KiB.</p>" in html
+    assert html.startswith('<div class="eqxshard-describe">') and "w<1>" not in html
+    assert "<code>w&lt;1&gt;</code>" in html and "Each of the 8 devices holds 2.2 KiB.</p>" in html
 
 
 def test_uneven_devices_are_listed_and_root_path() -> None:

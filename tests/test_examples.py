@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # each runs a subprocess: CI runs these on the newest JAX only
+
 ROOT = Path(__file__).resolve().parent.parent
 # Files starting with "_" are modules the examples import (so they run with them), not
 # examples.
@@ -35,8 +37,10 @@ KEY_OUTPUT = {
 }
 
 
-def run_script(path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_script(
+    path: Path, *args: str, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     return subprocess.run(
         [sys.executable, str(path), *args],
         cwd=ROOT,
@@ -71,3 +75,48 @@ def test_placement_benchmark_quick():
     assert result.returncode == 0, output
     assert "480 array leaves" in result.stdout, output
     assert re.search(r"\(c\) compiled HLO, both f\s+identical", result.stdout), output
+
+
+def test_multihost_resume_of_a_finished_run_says_so(tmp_path: Path):
+    script = ROOT / "examples" / "train_multihost.py"
+    args = ("--steps", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path))
+    fresh = run_script(script, *args, "--resume")  # 2 steps: too few for its learning check
+    assert "no checkpoint in" in fresh.stdout and "starting at step 0" in fresh.stdout
+    again = run_script(script, *args, "--resume")
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed from the checkpoint of step 2" in again.stdout
+    assert "nothing left to do" in again.stdout, again.stdout
+
+
+# The same scripts on 1, 2 and 8 devices (as on machines with 1, 2 or 8 GPUs), a few steps
+# each. train_multihost.py takes its step count as an argument.
+DEVICE_COUNTS = [1, 2, 8]
+SHORT = {"train_multihost.py": ("--steps", "2", "--batch-size", "16")}
+
+
+# A library bug these runs found, not the example's: `filter_map` over an input sharded on
+# an Explicit mesh axis of size 1 reaches `lax.scan`, which rejects it ("0th dimension of
+# all xs should be replicated. Got P('points', None, None)"). strict: passes once fixed.
+KNOWN_BUGS = {
+    ("grid_eval.py", 1): "filter_map on a 1-device Explicit mesh: lax.scan rejects the input",
+}
+
+
+def _cases():
+    for path in EXAMPLES:
+        for devices in DEVICE_COUNTS:
+            bug = KNOWN_BUGS.get((path.name, devices))
+            marks = [pytest.mark.xfail(reason=bug, strict=True)] if bug else []
+            yield pytest.param(path, devices, marks=marks, id=f"{path.name}-{devices}")
+
+
+@pytest.mark.parametrize(("path", "devices"), list(_cases()))
+def test_example_adapts_to_device_count(path: Path, devices: int):
+    env = {"JAX_NUM_CPU_DEVICES": str(devices), "EQXSHARD_EXAMPLE_STEPS": "2"}
+    result = run_script(path, *SHORT.get(path.name, ()), env=env)
+    output = result.stdout + result.stderr
+    if path.name == "train_multihost.py":  # 2 steps are too few for its learning check
+        assert "final parameters" in result.stdout, output
+    else:
+        assert result.returncode == 0, output
+    assert re.search(rf"\b{devices} (local of {devices} )?devices\b", result.stdout), output

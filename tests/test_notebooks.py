@@ -15,9 +15,12 @@ from pathlib import Path
 
 import ipykernel  # noqa: F401  (the kernel the notebooks run in)
 import jax
+import matplotlib.font_manager  # noqa: F401  (builds the font cache here, not in a kernel's stderr)
 import nbclient
 import nbformat
 import pytest
+
+pytestmark = pytest.mark.heavy  # each runs a kernel: CI runs these on the newest JAX only
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
