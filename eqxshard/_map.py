@@ -12,9 +12,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax.sharding import AxisType
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from ._compat import is_tracer, traced_sharding
+from ._compat import axis_type_map, is_tracer, traced_sharding
 from ._mapping import (
     IF_ARRAY_0,
     _Trace,
@@ -47,6 +47,23 @@ def _shard_count(leaf: Any, axis: int, n: int) -> int:
     if isinstance(leaf, jax.Array):
         return n // leaf.sharding.shard_shape(leaf.shape)[axis]
     return 1
+
+
+def _scannable(x: Any) -> Any:
+    """`x` with its leading (chunk) dim not split over Explicit mesh axes, which `lax.scan`
+    refuses. Only reached with one shard along the mapped axis (size-1 mesh axes, as on a
+    one-device mesh), so no data moves."""
+    sharding = traced_sharding(x) if is_tracer(x) else getattr(x, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.empty:
+        return x
+    spec = tuple(sharding.spec)
+    if not spec or spec[0] is None:
+        return x
+    types = axis_type_map(sharding.mesh)
+    names = (spec[0],) if isinstance(spec[0], str) else tuple(spec[0])
+    if all(types[a] != AxisType.Explicit for a in names):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(None, *spec[1:])))
 
 
 def _run(
@@ -109,7 +126,9 @@ def _run(
         mapped_out, unmapped_out = rest_body(mapped)
     else:
         if d == 1:
-            xs = [x[: num_chunks * b].reshape(num_chunks, b, *x.shape[1:]) for x in mapped]
+            xs = [
+                _scannable(x[: num_chunks * b].reshape(num_chunks, b, *x.shape[1:])) for x in mapped
+            ]
         else:
             xs = [
                 blocks(x)[:, : num_chunks * b]

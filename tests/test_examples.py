@@ -94,20 +94,10 @@ DEVICE_COUNTS = [1, 2, 8]
 SHORT = {"train_multihost.py": ("--steps", "2", "--batch-size", "16")}
 
 
-# A library bug these runs found, not the example's: `filter_map` over an input sharded on
-# an Explicit mesh axis of size 1 reaches `lax.scan`, which rejects it ("0th dimension of
-# all xs should be replicated. Got P('points', None, None)"). strict: passes once fixed.
-KNOWN_BUGS = {
-    ("grid_eval.py", 1): "filter_map on a 1-device Explicit mesh: lax.scan rejects the input",
-}
-
-
 def _cases():
     for path in EXAMPLES:
         for devices in DEVICE_COUNTS:
-            bug = KNOWN_BUGS.get((path.name, devices))
-            marks = [pytest.mark.xfail(reason=bug, strict=True)] if bug else []
-            yield pytest.param(path, devices, marks=marks, id=f"{path.name}-{devices}")
+            yield pytest.param(path, devices, id=f"{path.name}-{devices}")
 
 
 @pytest.mark.parametrize(("path", "devices"), list(_cases()))

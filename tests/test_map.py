@@ -350,3 +350,22 @@ def test_batch_size_not_multiple_of_shards_warns():
     with pytest.warns(UserWarning, match=re.escape("1 row(s) per shard (8 rows)")):
         out = filter_map(jnp.sin, batch_size=3)(x)
     np.testing.assert_array_equal(out, jnp.sin(x))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("shape", [(1,), (1, 2)])
+def test_explicit_axes_of_one_shard(shape, jit):
+    """Mapped rows on Explicit mesh axes of size 1 (any one-device Explicit mesh): one
+    shard, so the plain chunked path runs; `lax.scan` must not see the axis on its chunks."""
+    names = ("p", "q")[: len(shape)]
+    mesh = jax.make_mesh(
+        shape, names, axis_types=(AxisType.Explicit,) * len(shape), devices=jax.devices()[:2]
+    )
+    spec = P(*names) if len(shape) == 2 else P("p")
+    x = jax.device_put(jnp.arange(64.0 * 4).reshape(64, 4), NamedSharding(mesh, spec))
+    fun = lambda v: v * 2 + v.sum()
+    mapped = filter_map(fun, batch_size=16)
+    out = (jax.jit(mapped) if jit else mapped)(x)
+    want = eqx.filter_vmap(fun)(x)
+    np.testing.assert_allclose(out, want)
+    assert out.sharding.is_equivalent_to(want.sharding, out.ndim)
