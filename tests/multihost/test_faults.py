@@ -27,6 +27,9 @@ from harness import HERE, child_env
 
 import eqxshard
 
+# Each runs several multi-process runs: CI runs these once, on the newest JAX.
+pytestmark = pytest.mark.heavy
+
 ROOT = HERE.parents[1]
 # A run that ends by itself must end within this (it hung for 300 s before the fixes).
 END_S = 90

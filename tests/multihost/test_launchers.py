@@ -41,6 +41,9 @@ from jax.sharding import AxisType
 import eqxshard
 from eqxshard import _clusters
 
+# Each runs several multi-process runs: CI runs these once, on the newest JAX.
+pytestmark = pytest.mark.heavy
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_multihost.py"
 RESIZE = HERE / "resize_worker.py"
