@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AxisType
 
+from ._budget import AutoBatchSize, check_memory_budget
 from ._compat import is_tracer, traced_sharding
 from ._mapping import (
     IF_ARRAY_0,
@@ -44,6 +45,18 @@ def _shard_count(leaf: Any, axis: int, n: int) -> int:
     if isinstance(leaf, jax.Array):
         return n // leaf.sharding.shard_shape(leaf.shape)[axis]
     return 1
+
+
+def _rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
+    """The mapped size and how many shards split it (what `batch_size="auto"` searches)."""
+    flat = jtu.tree_flatten_with_path(args)[0]
+    leaves = [x for _, x in flat]
+    ax = {i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", name)) if a is not None}
+    if not ax:
+        return 1, 1
+    n = check_mapped_leaves(["args" + jtu.keystr(p) for p, _ in flat], leaves, ax, name)
+    counts = [_shard_count(leaves[i], ax[i] % len(leaves[i].shape), n) for i in ax]
+    return n, max([c for c in counts if c >= 1 and n % c == 0], default=1)
 
 
 def _run(
@@ -158,10 +171,11 @@ def _run(
 def filter_map(
     fun: None = None,
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
     remat: bool = False,
+    memory_budget: int | float | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -169,20 +183,22 @@ def filter_map(
 def filter_map(
     fun: Callable[..., Any],
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
     remat: bool = False,
+    memory_budget: int | float | None = None,
 ) -> Callable[..., Any]: ...
 
 
 def filter_map(
     fun: Callable[..., Any] | None = None,
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
     remat: bool = False,
+    memory_budget: int | float | None = None,
 ) -> Any:
     """Maps `fun` like `eqx.filter_vmap`, but `batch_size` rows at a time inside one
     `jax.lax.scan`, so the memory of the temporaries is that of one chunk.
@@ -212,7 +228,10 @@ def filter_map(
     - `batch_size`: rows per chunk:
         - `None`: one row at a time (one per device when the mapped axis is sharded);
         - an int `>= 1`: any mapped size works, including `0`, fewer rows than
-            `batch_size`, and a remainder.
+            `batch_size`, and a remainder;
+        - `"auto"`: the largest chunk whose compiled temporaries (per device, from
+            `compiled.memory_analysis()`) fit `memory_budget`; searched once per input
+            shapes (a few compilations), then cached.
     - `in_axes`: which axis of each input to map over, as for `eqx.filter_vmap`: a prefix
         PyTree of the arguments tuple with
         - an int: map over that axis;
@@ -224,6 +243,10 @@ def filter_map(
     - `remat`: if `True`, wrap each chunk in `jax.checkpoint`, so the backward pass keeps
         only the chunk inputs and recomputes the rest: its temporaries are bounded by
         the chunk too, for about one more forward pass of compute.
+    - `memory_budget`: bytes per device for `batch_size="auto"`:
+        - `None`: half of the device memory that `device.memory_stats()` reports (CPU
+            reports none: pass a number there);
+        - a number of bytes `> 0`.
 
     **Returns:**
 
@@ -231,10 +254,13 @@ def filter_map(
 
     **Raises:**
 
-    - `TypeError`: if `batch_size` is not `None` or an int; if `in_axes`/`out_axes` hold
+    - `TypeError`: if `batch_size` is not `None`, an int or `"auto"`; if `memory_budget`
+        is not a number; if `in_axes`/`out_axes` hold
         something else than `None`, ints and callables; if a non-array leaf is mapped; if
         keyword arguments are passed to the mapped function.
-    - `ValueError`: if `batch_size <= 0`; if `in_axes`/`out_axes` is not a prefix of the
+    - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
+        `batch_size="auto"`; with `"auto"`, if no budget is known or one row per shard
+        does not fit it; if `in_axes`/`out_axes` is not a prefix of the
         arguments/output; if an axis is out of range, listing every such leaf; if mapped
         leaves have different sizes, listing every mapped leaf; if `fun`'s non-array
         outputs differ between the full chunks and the remainder.
@@ -257,11 +283,19 @@ def filter_map(
         values = evaluate(model, grid.reshape(-1, 2))  # shape (2500, 1)
         ```
     """
-    check_batch_size(batch_size, "filter_map")
+    if batch_size != "auto":
+        check_batch_size(batch_size, "filter_map")
+    check_memory_budget(memory_budget, batch_size, "filter_map")
     if fun is None:
         return ft.partial(
-            filter_map, batch_size=batch_size, in_axes=in_axes, out_axes=out_axes, remat=remat
+            filter_map,
+            batch_size=batch_size,
+            in_axes=in_axes,
+            out_axes=out_axes,
+            remat=remat,
+            memory_budget=memory_budget,
         )
+    auto = AutoBatchSize("filter_map", memory_budget) if batch_size == "auto" else None
     if not callable(fun):
         raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")
 
@@ -273,6 +307,14 @@ def filter_map(
                 f"keyword arguments {sorted(kwargs)}. Pass them positionally (and give them "
                 "`in_axes=None` to broadcast them)."
             )
-        return _run(fun, batch_size, in_axes, out_axes, remat, "filter_map", args)
+        if auto is None:
+            return _run(fun, batch_size, in_axes, out_axes, remat, "filter_map", args)  # pyright: ignore[reportArgumentType]
+
+        def run(k: int, a: tuple) -> Any:
+            return _run(fun, k, in_axes, out_axes, remat, "filter_map", a)
+
+        n, shards = _rows_and_shards(args, in_axes, "filter_map")
+        k = auto(run, args, n, shards)
+        return _run(fun, k, in_axes, out_axes, remat, "filter_map", args)
 
     return mapped
