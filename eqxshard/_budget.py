@@ -68,8 +68,11 @@ def temp_bytes(fn: Callable[..., Any], *args: Any) -> int:
 
 
 def _abstract(x: Any) -> Any:
-    """A `ShapeDtypeStruct` standing in for an array leaf (keeping a concrete layout)."""
+    """A `ShapeDtypeStruct` standing in for an array leaf, keeping a mesh layout (a leaf
+    on one device is left free to move, as `jit` moves it)."""
     sharding = None if is_tracer(x) or not isinstance(x, jax.Array) else x.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        sharding = None
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 

@@ -167,14 +167,23 @@ class _Jac(eqx.Module):
             x, args, kwargs = all_args
             diff_x, static_x = eqx.partition(x, eqx.is_inexact_array)
 
+            aux_static = []
+
             def f(diff: Any) -> Any:
                 out = self.fun(eqx.combine(diff, static_x), *args, **kwargs)
-                return out if self.has_aux else (out, None)
+                if not self.has_aux:
+                    return out, None
+                out, aux = out
+                aux, static = eqx.partition(aux, eqx.is_array)  # `linearize` takes arrays only
+                aux_static.append(static)
+                return out, aux
 
             if batch_size is None and self.mesh is None:  # exactly Equinox's program
-                rev = jax.jacrev if self.rev else jax.jacfwd
-                return rev(f, has_aux=True)(diff_x)
-            return _jacobian(f, diff_x, self.rev, batch_size, self.mesh, self.axes)
+                jacobian = jax.jacrev if self.rev else jax.jacfwd
+                jac, aux = jacobian(f, has_aux=True)(diff_x)
+            else:
+                jac, aux = _jacobian(f, diff_x, self.rev, batch_size, self.mesh, self.axes)
+            return jac, eqx.combine(aux, *aux_static[-1:])
 
         all_args = (x, args, kwargs)
         if self.batch_size == "auto":
