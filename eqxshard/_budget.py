@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -128,6 +129,7 @@ def largest_fitting(
     with `measure(k) <= budget`, taking `measure` to grow with `k`.
     """
     top = max(1, -(-n // step))
+    measure = functools.cache(measure)
     if measure(top * step) <= budget:
         return top * step
     smallest = measure(step)
@@ -139,6 +141,16 @@ def largest_fitting(
             "or shrink the inputs (or shard them over more devices)."
         )
     lo, hi = 1, top  # measure(lo * step) fits; measure(hi * step) does not
+    # Temporaries are mostly affine in `k`: try the interpolated answer and its neighbour
+    # first (two compilations when the guess is right), then bisect what is left.
+    guess = 1 + int((budget - smallest) / max(measure(top * step) - smallest, 1) * (top - 1))
+    if lo < guess < hi:
+        if measure(guess * step) <= budget:
+            lo = guess
+            if guess + 1 < hi and measure((guess + 1) * step) > budget:
+                hi = guess + 1
+        else:
+            hi = guess
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if measure(mid * step) <= budget:
