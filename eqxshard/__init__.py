@@ -11,6 +11,11 @@ from ._describe import LeafRow as LeafRow, ShardingTable as ShardingTable, descr
 from ._fsdp import fsdp as fsdp
 from ._get import filter_get as filter_get
 from ._initialize import initialize as initialize
+from ._jacobian import (
+    filter_hessian as filter_hessian,
+    filter_jacfwd as filter_jacfwd,
+    filter_jacrev as filter_jacrev,
+)
 from ._like import like as like
 from ._logical import logical as logical
 from ._map import filter_map as filter_map

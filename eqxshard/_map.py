@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from ._budget import AutoBatchSize, check_memory_budget
 from ._compat import axis_type_map, is_tracer, traced_sharding
 from ._mapping import (
     IF_ARRAY_0,
@@ -64,6 +65,18 @@ def _scannable(x: Any) -> Any:
     if all(types[a] != AxisType.Explicit for a in names):
         return x
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, P(None, *spec[1:])))
+
+
+def _rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
+    """The mapped size and how many shards split it (what `batch_size="auto"` searches)."""
+    flat = jtu.tree_flatten_with_path(args)[0]
+    leaves = [x for _, x in flat]
+    ax = {i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", name)) if a is not None}
+    if not ax:
+        return 1, 1
+    n = check_mapped_leaves(["args" + jtu.keystr(p) for p, _ in flat], leaves, ax, name)
+    counts = [_shard_count(leaves[i], ax[i] % len(leaves[i].shape), n) for i in ax]
+    return n, max([c for c in counts if c >= 1 and n % c == 0], default=1)
 
 
 def _run(
@@ -194,12 +207,13 @@ def _run(
 def filter_map(
     fun: None = None,
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
     axis_name: Hashable = None,
     axis_size: int | None = None,
     remat: bool = False,
+    memory_budget: int | float | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
 
 
@@ -207,24 +221,26 @@ def filter_map(
 def filter_map(
     fun: Callable[..., Any],
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
     axis_name: Hashable = None,
     axis_size: int | None = None,
     remat: bool = False,
+    memory_budget: int | float | None = None,
 ) -> Callable[..., Any]: ...
 
 
 def filter_map(
     fun: Callable[..., Any] | None = None,
     *,
-    batch_size: int | None = None,
+    batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
     out_axes: Any = IF_ARRAY_0,
     axis_name: Hashable = None,
     axis_size: int | None = None,
     remat: bool = False,
+    memory_budget: int | float | None = None,
 ) -> Any:
     """Maps `fun` like `eqx.filter_vmap`, but `batch_size` rows at a time inside one
     `jax.lax.scan`, so the memory of the temporaries is that of one chunk.
@@ -255,7 +271,10 @@ def filter_map(
     - `batch_size`: rows per chunk:
         - `None`: one row at a time (one per device when the mapped axis is sharded);
         - an int `>= 1`: any mapped size works, including `0`, fewer rows than
-            `batch_size`, and a remainder.
+            `batch_size`, and a remainder;
+        - `"auto"`: the largest chunk whose compiled temporaries (per device, from
+            `compiled.memory_analysis()`) fit `memory_budget`; searched once per input
+            shapes (a few compilations), then cached.
     - `in_axes`: which axis of each input to map over, as for `eqx.filter_vmap`: a prefix
         PyTree of the arguments tuple, or a dict keyed by argument name (`dict(y=1)`;
         the arguments it does not name get `eqx.if_array(0)`), with
@@ -276,6 +295,10 @@ def filter_map(
     - `remat`: if `True`, wrap each chunk in `jax.checkpoint`, so the backward pass keeps
         only the chunk inputs and recomputes the rest: its temporaries are bounded by
         the chunk too, for about one more forward pass of compute.
+    - `memory_budget`: bytes per device for `batch_size="auto"`:
+        - `None`: half of the device memory that `device.memory_stats()` reports (CPU
+            reports none: pass a number there);
+        - a number of bytes `> 0`.
 
     **Returns:**
 
@@ -283,12 +306,15 @@ def filter_map(
 
     **Raises:**
 
-    - `TypeError`: if `fun` is not callable; if `batch_size` is not `None` or an int; if
-        `in_axes`/`out_axes` hold something else than `None`, ints and callables; if
-        `in_axes` is a dict and `fun`'s signature cannot be read; if a non-array leaf is
-        mapped; if `axis_name` is not hashable or `axis_size` not an int; if keyword
-        arguments are passed to the mapped function.
-    - `ValueError`: if `batch_size <= 0`; if `in_axes`/`out_axes` is not a prefix of the
+    - `TypeError`: if `fun` is not callable; if `batch_size` is not `None`, an int or
+        `"auto"`; if `memory_budget` is not a number; if `in_axes`/`out_axes` hold
+        something else than `None`, ints and callables; if `in_axes` is a dict and `fun`'s
+        signature cannot be read; if a non-array leaf is mapped; if `axis_name` is not
+        hashable or `axis_size` not an int; if keyword arguments are passed to the mapped
+        function.
+    - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
+        `batch_size="auto"`; with `"auto"`, if no budget is known or one row per shard
+        does not fit it; if `in_axes`/`out_axes` is not a prefix of the
         arguments/output, or a dict `in_axes` names no argument; if an axis is out of
         range, listing every such leaf; if mapped leaves have different sizes, listing
         every mapped leaf; if `axis_size` is negative or differs from that size; if
@@ -323,7 +349,8 @@ def filter_map(
         )(model, grid.reshape(-1, 2))
         ```
     """
-    check_batch_size(batch_size, "filter_map")
+    check_batch_size(batch_size, "filter_map", allow_auto=True)
+    check_memory_budget(memory_budget, batch_size, "filter_map")
     check_axis_name_size(axis_name, axis_size, "filter_map")
     if fun is None:
         return ft.partial(
@@ -334,7 +361,9 @@ def filter_map(
             axis_name=axis_name,
             axis_size=axis_size,
             remat=remat,
+            memory_budget=memory_budget,
         )
+    auto = AutoBatchSize("filter_map", memory_budget) if batch_size == "auto" else None
     if not callable(fun):
         raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")
 
@@ -346,8 +375,17 @@ def filter_map(
                 f"keyword arguments {sorted(kwargs)}. Pass them positionally (and give them "
                 "`in_axes=None` to broadcast them)."
             )
-        return _run(
-            fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", args
-        )
+        if auto is None:
+            assert not isinstance(batch_size, str)  # only "auto", checked above
+            return _run(
+                fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", args
+            )
+
+        def run(k: int, a: tuple) -> Any:
+            return _run(fun, k, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", a)
+
+        named = named_in_axes(fun, in_axes, args, "filter_map")
+        n, shards = _rows_and_shards(args, named, "filter_map")
+        return run(auto(run, args, n, shards), args)
 
     return mapped

@@ -132,13 +132,18 @@ def check_no_collectives(
         )
 
 
-def check_batch_size(batch_size: Any, name: str, *, allow_none: bool = True) -> None:
-    """Raises if `batch_size` is not `None` (when allowed) or a positive int."""
-    if batch_size is None and allow_none:
+def check_batch_size(
+    batch_size: Any, name: str, *, allow_none: bool = True, allow_auto: bool = False
+) -> None:
+    """Raises if `batch_size` is not `None` (when allowed), `"auto"` (when allowed) or a
+    positive int."""
+    auto = allow_auto and isinstance(batch_size, str) and batch_size == "auto"
+    if auto or (batch_size is None and allow_none):
         return
     is_int = isinstance(batch_size, int | np.integer) and not isinstance(batch_size, bool)
     if not is_int:
         allowed = "`None` or a positive int" if allow_none else "a positive int"
+        allowed += ' or `"auto"`' if allow_auto else ""
         raise TypeError(
             f"`{name}(batch_size=...)` must be {allowed}, got {batch_size!r} of type "
             f"{type(batch_size).__name__}. Pass the number of rows per chunk, e.g. "

@@ -30,6 +30,7 @@ KEY_OUTPUT = {
     "train_fsdp.py": [r"final loss \d+\.\d+ < first loss \d+\.\d+"],
     "grid_eval.py": [r"model output over the grid: min"],
     "train_tensor_parallel.py": [r"final loss \d+\.\d+ < first loss \d+\.\d+"],
+    "jacobian_scan.py": [r"<= budget: True", r"all-gather in HLO: False"],
     "train_multihost.py": [
         r"joined by single process: process 0 of 1; 8 local of 8 devices",
         r"final loss \d+\.\d+ < first loss \d+\.\d+ / 2",

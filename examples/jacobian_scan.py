@@ -1,0 +1,110 @@
+"""Jacobians of a linear-recurrence (S5-style) layer that do not fit a memory budget at once.
+
+The model of jax-ml/jax#19498: `x_t = lambda * x_{t-1} + W u_t + b`, run with
+`lax.associative_scan`. We want, for a batch of sequences, the Jacobian of the final
+state w.r.t. the scan parameter `lambda`, the dense weight, the input sequence and the
+initial state (reverse mode: one row per state entry, 64 rows).
+
+`jax.jacrev` pulls all 64 rows back at once. Here the unchunked Jacobian needs more
+temporaries than the (pretend) budget, so `eqxshard.filter_jacrev(batch_size="auto",
+memory_budget=...)` picks a chunk of rows that fits, and the result is checked
+against `jax.jacrev`. Finally the rows are split over every device (`mesh=`).
+
+    python examples/jacobian_scan.py
+"""
+
+import os
+
+import jax
+
+# A demo on one CPU: split it into 8 devices (JAX_NUM_CPU_DEVICES=n for another count),
+# before JAX starts its backends. GPUs and TPUs are not affected: every device is used.
+if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import eqxshard  # noqa: E402
+
+STATE, T, BATCH = 64, 32, 2
+
+
+def binary_operator(element_i, element_j):
+    a_i, bu_i = element_i
+    a_j, bu_j = element_j
+    return a_j * a_i, a_j * bu_i + bu_j
+
+
+def layer(params, inputs, init_state):
+    """Final state of the recurrence over `inputs` (T, STATE)."""
+    x = inputs @ params["weight"].T + params["bias"]
+    lam = jnp.repeat(params["lambda"][None], T + 1, axis=0)
+    elements = (lam, jnp.concatenate([init_state[None], x]))
+    _, ys = jax.lax.associative_scan(binary_operator, elements, axis=0)
+    return ys[-1]
+
+
+def model(a):
+    return layer(*a)
+
+
+def batched(jac):
+    """The Jacobians w.r.t. the parameters (lambda, weight, bias), the input and the
+    initial state, for every sequence of the batch (as in the seed: `jit(vmap(jac))`)."""
+    return jax.jit(jax.vmap(lambda *a: jac(a), in_axes=(None, 0, 0)))
+
+
+def compiled(fn, *args):
+    return fn.lower(*args).compile()
+
+
+keys = jax.random.split(jax.random.key(0), 4)
+params = {
+    "lambda": jax.random.uniform(keys[0], (STATE,)),
+    "weight": jax.random.normal(keys[1], (STATE, STATE)) / 8,
+    "bias": jax.random.normal(keys[2], (STATE,)),
+}
+inputs = jax.random.normal(keys[3], (BATCH, T, STATE))
+init_state = jnp.ones((BATCH, STATE))
+args = (params, inputs, init_state)
+
+reference = compiled(batched(jax.jacrev(model)), *args)
+unchunked = reference.memory_analysis().temp_size_in_bytes
+budget = unchunked // 4
+print(f"T = {T}, batch {BATCH}: jax.jacrev needs {unchunked:,} bytes of temporaries")
+print(f"budget: {budget:,} bytes per device")
+assert unchunked > budget
+
+# "auto" measures and budgets one sequence's program: the budget is per `jac` call.
+jac = eqxshard.filter_jacrev(model, batch_size="auto", memory_budget=budget)
+one = (params, inputs[0], init_state[0])
+temps = jax.jit(jac).lower(one).compile().memory_analysis().temp_size_in_bytes
+unchunked_one = jax.jit(jax.jacrev(model)).lower(one).compile().memory_analysis()
+print(
+    f"one sequence: jax.jacrev {unchunked_one.temp_size_in_bytes:,} bytes, "
+    f"filter_jacrev(batch_size='auto') {temps:,} bytes <= budget: {temps <= budget}"
+)
+assert temps <= budget
+# Batched as in the seed, `jit(vmap(jac))`: `vmap` adds its own copies (see the docs).
+chunked = compiled(batched(jac), *args)
+print(f"batched: {chunked.memory_analysis().temp_size_in_bytes:,} bytes")
+
+jacs, expected = chunked(*args), reference(*args)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3), jacs, expected)
+print(
+    "equal to jax.jacrev; d state / d lambda:",
+    jacs[0]["lambda"].shape,
+    "d state / d input:",
+    jacs[1].shape,
+)
+
+# Rows split over every device: each pulls back its own rows, no communication.
+devices = jax.device_count()
+mesh = jax.make_mesh((devices,), ("rows",))
+sharded = compiled(batched(eqxshard.filter_jacrev(model, batch_size=devices, mesh=mesh)), *args)
+d_input = sharded(*args)[1]
+np.testing.assert_allclose(d_input, expected[1], rtol=1e-3, atol=1e-3)
+hlo = sharded.as_text()
+gathers = "all-gather" in hlo
+print(f"sharded over {devices} devices:", d_input.sharding.spec, "all-gather in HLO:", gathers)

@@ -1,0 +1,98 @@
+"""`batch_size="auto"`: the search, the default budget, and `filter_map` under a budget."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import eqxshard
+from eqxshard import _budget
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    step=st.integers(1, 8),
+    per_row=st.integers(1, 50),
+    base=st.integers(0, 100),
+    budget=st.integers(0, 20000),
+)
+def test_search_finds_the_largest_fitting_multiple(n, step, per_row, base, budget):
+    calls = []
+
+    def measure(k):
+        calls.append(k)
+        return base + per_row * k
+
+    top = -(-n // step) * step
+    fits = [k for k in range(step, top + 1, step) if measure(k) <= budget]
+    calls.clear()
+    if not fits:
+        with pytest.raises(
+            ValueError, match=rf"`memory_budget={budget:,}`.*{base + per_row * step:,}"
+        ):
+            _budget.largest_fitting(measure, n, budget, step, "f")
+        return
+    k = _budget.largest_fitting(measure, n, budget, step, "f")
+    assert k == max(fits)
+    assert len(calls) <= 3 + top.bit_length()  # a binary search, not a sweep
+
+
+def test_default_budget_is_a_fraction_of_the_reported_memory(monkeypatch):
+    class Device:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 1000}
+
+    monkeypatch.setattr(_budget.jax, "devices", lambda: [Device()])
+    assert _budget.resolve_budget(None, "f") == int(1000 * _budget.DEFAULT_FRACTION)
+    assert _budget.resolve_budget(123, "f") == 123
+
+
+def test_default_budget_on_cpu_asks_for_memory_budget():
+    with pytest.raises(ValueError, match=r"`f\(batch_size=\"auto\"\)`.*`memory_budget=`"):
+        _budget.resolve_budget(None, "f")
+
+
+def _rows(x):  # a jacobian per row: large temporaries that grow with the chunk
+    def g(v):
+        m = jnp.tanh(jnp.outer(v, v))
+        return jnp.tanh(m @ m).sum(1)
+
+    return jax.jacrev(g)(x)
+
+
+def _temps(fn, *args):
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_filter_map_auto_fits_the_budget_and_matches_vmap():
+    x = jax.random.normal(jax.random.key(0), (24, 16))
+    full = _temps(eqxshard.filter_map(_rows, batch_size=24), x)
+    budget = full // 4
+    got = eqxshard.filter_map(_rows, batch_size="auto", memory_budget=budget)(x)
+    np.testing.assert_allclose(got, eqx.filter_vmap(_rows)(x), rtol=1e-5, atol=1e-5)
+    auto = _budget.AutoBatchSize("filter_map", budget)
+
+    def run(k, args):
+        return eqxshard.filter_map(_rows, batch_size=k)(*args)
+
+    k = auto(run, (x,), 24)
+    assert 1 <= k < 24
+    assert _temps(eqxshard.filter_map(_rows, batch_size=k), x) <= budget
+    assert _temps(eqxshard.filter_map(_rows, batch_size=k + 1), x) > budget
+
+
+def test_filter_map_auto_under_jit_and_as_decorator():
+    x = jax.random.normal(jax.random.key(1), (10, 8))
+
+    @eqxshard.filter_map(batch_size="auto", memory_budget=2**30)
+    def f(row):
+        return jnp.sin(row) * 2
+
+    np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
