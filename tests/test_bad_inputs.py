@@ -25,7 +25,7 @@ def test_ids_are_unique():
     assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
 def test_bad_input(case: Case):
     with pytest.raises(case.exc, match=case.match):
         case.call()

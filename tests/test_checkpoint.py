@@ -468,6 +468,10 @@ def _damage(step_dir: Path, how: str) -> str:
     return r"(metadata|array data) is unreadable \(ValueError: "
 
 
+# "truncated data": after one array fails to read, orbax closes its event loop while
+# tensorstore still completes the other reads, whose callbacks then find it closed
+# ("Exception ignored", sometimes); eqxshard's error, checked here, is raised first.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 @pytest.mark.parametrize("how", ["no _METADATA", "garbage _METADATA", "empty", "truncated data"])
 def test_a_damaged_step_is_one_clear_error(tmp_path: Path, how: str) -> None:
     tree = _two_steps(tmp_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -20,3 +21,4 @@ class Case:
     call: Callable[[], object]
     exc: type[BaseException]
     match: str
+    marks: tuple[Any, ...] = ()  # pytest marks for this case only
