@@ -100,7 +100,7 @@ class ShardingTable:
                 )
             else:
                 held = ", ".join(
-                    f"{_device_name(d)}: {format_bytes(b)}" for d, b in per_device.items()
+                    f"{device_name(d)}: {format_bytes(b)}" for d, b in per_device.items()
                 )
                 lines.append(f"Bytes per device: {held}.")
         if self.unsharded:
@@ -152,7 +152,7 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _device_name(device: Any) -> str:
+def device_name(device: Any) -> str:
     if isinstance(device, int):  # a position of an abstract mesh
         return f"device {device}"
     return f"{device.platform}:{device.id}"
@@ -165,7 +165,7 @@ def _spec_str(sharding: Sharding | None) -> str:
         entries = ", ".join(repr(e) for e in sharding.spec)
         return f"P({entries})"
     if isinstance(sharding, SingleDeviceSharding):
-        return f"device {_device_name(next(iter(sharding.device_set)))}"
+        return f"device {device_name(next(iter(sharding.device_set)))}"
     return type(sharding).__name__
 
 

@@ -10,13 +10,12 @@ the table; nothing here computes a plan.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
-if TYPE_CHECKING:
-    from ._describe import LeafRow, ShardingTable
+from ._describe import LeafRow, ShardingTable, device_name
 
 # Distinct, readable on white and on dark backgrounds; cycled beyond ten blocks.
 PALETTE = [
@@ -61,14 +60,10 @@ def layout_grid(row: LeafRow) -> np.ndarray | None:
     return grid
 
 
-def _device_label(device: Any) -> str:
-    return f"{device.platform}:{device.id}"
-
-
 def _bars(table: ShardingTable) -> list[tuple[str, int, float]]:
     """(device, bytes, fraction of the fullest device) for every device."""
     most = max(table.bytes_per_device.values(), default=0) or 1
-    return [(_device_label(d), b, b / most) for d, b in table.bytes_per_device.items()]
+    return [(device_name(d), b, b / most) for d, b in table.bytes_per_device.items()]
 
 
 def _grid_svg(grid: np.ndarray) -> str:
