@@ -286,6 +286,19 @@ def spec_entries(spec: PartitionSpec) -> tuple[Any, ...]:
     return tuple(spec) if partitions is None else tuple(partitions)
 
 
+def spec_str(spec: Any) -> str:
+    """`spec` as `P('data', None)`, the same on every jax version (jax 0.7 prints
+    `PartitionSpec(...)`), with its `unreduced`/`reduced` sets where it has them."""
+    if not isinstance(spec, PartitionSpec):
+        return repr(spec)
+    text = repr(spec_entries(spec))[1:-1]
+    for name in ("unreduced", "reduced"):
+        axes = getattr(spec, name, None)
+        if axes:
+            text += f", {name}={set(axes)!r}"
+    return f"P({text})"
+
+
 def spec_reductions(spec: PartitionSpec) -> frozenset[str]:
     """The mesh axes in `spec`'s `unreduced` and `reduced` sets (empty where JAX has none)."""
     unreduced = getattr(spec, "unreduced", None) or frozenset()

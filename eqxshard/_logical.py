@@ -7,6 +7,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec
 
+from ._compat import spec_str
 from ._resolve import RuleError
 from ._rules import NO_MATCH, Rule, as_rule
 from ._tree import Path
@@ -43,7 +44,7 @@ class Logical(Rule):
         if unmapped:
             raise RuleError(
                 "was given logical axis names that the `logical` mapping does not map:",
-                (f"spec {spec}", f"unmapped {sorted(set(unmapped))}"),
+                (f"spec {spec_str(spec)}", f"unmapped {sorted(set(unmapped))}"),
                 f"Mapped names: {sorted(self.mapping)}. Add each name to the mapping: "
                 "`{name: mesh_axis}`, or `{name: None}` to leave that dim whole.",
             )

@@ -269,7 +269,7 @@ def _resolve_here(
             if mesh is None:
                 given = t if t is not UNSET else s
                 if isinstance(given, PartitionSpec):
-                    no_mesh.append((where(i), f"spec {given}"))
+                    no_mesh.append((where(i), f"spec {_compat.spec_str(given)}"))
                 else:
                     no_target.append((where(i),))
                 continue
@@ -444,12 +444,15 @@ def _spec_problems(
     used = [a for entry in spec for a in _axes(entry)]
     missing = [a for a in used if a not in sizes]
     if missing:
-        return [("unknown", (f"spec {spec}", f"axes {missing} not in mesh {list(sizes)}"))]
+        shown = f"spec {_compat.spec_str(spec)}"
+        return [("unknown", (shown, f"axes {missing} not in mesh {list(sizes)}"))]
     twice = sorted({a for a in used if used.count(a) > 1})
     if twice:
-        return [("repeated", (f"spec {spec}", f"axes {twice} used more than once"))]
+        shown = f"spec {_compat.spec_str(spec)}"
+        return [("repeated", (shown, f"axes {twice} used more than once"))]
     if len(spec) > len(shape):
-        return [("rank", (f"shape {shape_str(shape)}", f"spec {spec} has {len(spec)} entries"))]
+        shown = f"spec {_compat.spec_str(spec)} has {len(spec)} entries"
+        return [("rank", (f"shape {shape_str(shape)}", shown))]
     problems = []
     for dim, entry in enumerate(spec):
         split = [a for a in _axes(entry) if a not in manual]

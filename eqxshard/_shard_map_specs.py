@@ -74,7 +74,8 @@ def _check_spec_values(
         named = {a for e in _compat.spec_entries(spec) for a in _axes(e)}
         extra = sorted((named | _compat.spec_reductions(spec)) - manual, key=str)
         if extra and all(a in mesh.axis_names for a in extra):
-            not_manual.append((path, f"spec {spec}", f"axes {extra} not in `axis_names`"))
+            shown = f"spec {_compat.spec_str(spec)}"
+            not_manual.append((path, shown, f"axes {extra} not in `axis_names`"))
             continue
         out[i] = spec
     if wrong_type:
@@ -130,16 +131,18 @@ def _check_out_specs(
         used = [a for e in entries for a in _axes(e)]
         missing = [a for a in (*used, *sorted(_compat.spec_reductions(spec))) if a not in sizes]
         if missing:
-            unknown.append((path, f"spec {spec}", f"axes {missing} not in mesh {list(sizes)}"))
+            shown = f"spec {_compat.spec_str(spec)}"
+            unknown.append((path, shown, f"axes {missing} not in mesh {list(sizes)}"))
         elif len(set(used)) != len(used):
             twice = sorted({a for a in used if used.count(a) > 1})
-            repeated.append((path, f"spec {spec}", f"axes {twice} used more than once"))
+            shown = f"spec {_compat.spec_str(spec)}"
+            repeated.append((path, shown, f"axes {twice} used more than once"))
         elif len(entries) > len(shape):
             rank.append(
                 (
                     path,
                     f"per-device shape {shape_str(shape)}",
-                    f"spec {spec} has {len(entries)} entries",
+                    f"spec {_compat.spec_str(spec)} has {len(entries)} entries",
                 )
             )
     for rows, header, fix in (
