@@ -181,20 +181,6 @@ def process_allgather(tree: Any, *, tiled: bool) -> Any:
     return multihost_utils.process_allgather(tree, tiled=tiled)
 
 
-def allgather_host(values: np.ndarray) -> np.ndarray:
-    """Gathers a small host array from every process: shape `(process_count, *values.shape)`.
-
-    Sent as raw bytes: `process_allgather` would turn 64-bit values into 32-bit ones
-    (without `jax_enable_x64`), silently dropping their high bits. A collective: it
-    cannot run while a transformation traces (see `tracing`).
-    """
-    if jax.process_count() == 1:
-        return values[None]
-    raw = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
-    gathered = np.ascontiguousarray(process_allgather(raw, tiled=False))
-    return gathered.view(values.dtype).reshape(len(gathered), *values.shape)
-
-
 def global_shape(mesh: Mesh, spec: Any, local_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The global shape that each process's local part of `local_shape` makes on `mesh`.
 

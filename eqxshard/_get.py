@@ -20,8 +20,10 @@ def filter_get(tree: PyTree) -> PyTree:
     Addressable arrays are fetched with one batched `jax.device_get`; arrays that span
     other processes with one `process_allgather` (a collective: every process must call
     `filter_get` on the same tree; a tree whose arrays spanning processes differ between
-    processes raises on every process, before the gather). Non-array leaves (NumPy string
-    arrays included) are returned unchanged.
+    processes raises on every process, before the gather, and a process that does not
+    make the call at all, or makes it on a tree with no arrays spanning processes, is
+    reported by the others after `EQXSHARD_SYNC_TIMEOUT` seconds, default 600, instead
+    of a hang). Non-array leaves (NumPy string arrays included) are returned unchanged.
 
     PRNG key arrays (`jax.random.key`) have no NumPy form; they come back as key arrays
     on this process's default device, holding the full global value.
@@ -40,6 +42,8 @@ def filter_get(tree: PyTree) -> PyTree:
         there is no value to fetch while tracing.
     - `ValueError`: with several processes, if the arrays that span processes differ
         between them (paths, shapes or dtypes), naming them with what each process passed.
+    - `TimeoutError`: with several processes, if some process did not call `filter_get`
+        on arrays spanning processes within `EQXSHARD_SYNC_TIMEOUT` seconds (naming it).
 
     !!! Example
 
@@ -74,8 +78,8 @@ def filter_get(tree: PyTree) -> PyTree:
     local = [i for i in arrays if i not in remote_set]
     out: dict[int, Any] = {}
     if remote:
-        # Every process gathers the same arrays, or none gathers: one fixed-size digest of
-        # these leaves first, so that different trees raise rather than mismatch.
+        # Every process gathers the same arrays, or none gathers: one bounded exchange of a
+        # digest of these leaves first, so that different trees raise rather than mismatch.
         chosen = set(remote)
         _multihost.check_same_leaves(
             "filter_get",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -92,7 +93,7 @@ class _Exit(SystemExit):
         if frame.f_back is None and _status_code(status) != 0:
             if not isinstance(status, int):
                 print(status, file=sys.stderr)
-            _end_now(_status_code(status), f"sys.exit({status!r})")
+            _end_now(_status_code(status), f"SystemExit({status!r})")
         return status
 
     @code.setter
@@ -107,10 +108,51 @@ def _exit(status: Any = None) -> None:
 _exit.__doc__ = sys.exit.__doc__
 
 
+def _watch_system_exit() -> bool:
+    """On Python 3.12+, ends this process at once when a `SystemExit` with a non-zero code
+    leaves the outermost Python frame of the main thread (nothing can catch it there):
+    `sys.exit(n)` and `raise SystemExit(n)` alike, with `sys.exit` left as it is.
+
+    Uses `sys.monitoring`'s `PY_UNWIND` event (a global event: the callback returns at
+    once for every frame but the outermost). Returns whether it is installed: not on
+    Python 3.11, off the main thread, or when every free tool id is taken.
+    """
+    monitoring = getattr(sys, "monitoring", None)
+    if monitoring is None or threading.current_thread() is not threading.main_thread():
+        return False
+    frame = sys._getframe()
+    while frame.f_back is not None:
+        frame = frame.f_back
+    outermost = frame.f_code
+    for tool in (4, 3):  # the ids `sys.monitoring` leaves to tools other than its named ones
+        if monitoring.get_tool(tool) is None:
+            break
+    else:
+        return False
+    events = monitoring.events
+
+    def unwind(code: Any, offset: int, exception: BaseException) -> Any:
+        if code is not outermost or not isinstance(exception, SystemExit):
+            return None
+        status = exception.code
+        if _status_code(status) == 0:
+            return None
+        if not isinstance(status, int):
+            print(status, file=sys.stderr)
+        _end_now(_status_code(status), f"SystemExit({status!r})")
+
+    monitoring.use_tool_id(tool, "eqxshard")
+    monitoring.register_callback(tool, events.PY_UNWIND, unwind)
+    monitoring.set_events(tool, monitoring.get_events(tool) | events.PY_UNWIND)
+    return True
+
+
 def _end_promptly_on_errors() -> None:
-    """Makes an uncaught exception and `sys.exit(n)` with n != 0 end this process at once."""
+    """Makes an uncaught exception and an uncaught `SystemExit` with a non-zero code end
+    this process at once (on Python 3.11, `sys.exit(n)` only: see `_Exit`)."""
     sys.excepthook = _exit_on_uncaught
-    sys.exit = _exit
+    if not _watch_system_exit():
+        sys.exit = _exit
 
 
 def _check_arguments(
@@ -175,15 +217,16 @@ def initialize(
 
     In a run of several processes, with `exit_on_error=True`, a process that fails ends
     at once: an uncaught exception with exit code 1 (after printing the traceback), and
-    `sys.exit(n)` with n != 0 with code n (after printing a message given instead of a
-    code). Without it, the process would wait at exit in JAX's shutdown barrier for the
-    others, which wait for it in their next collective: the whole run hangs until JAX's
-    timeouts (minutes), and then ends with the wrong code. Ended at once, the others stop
-    too: `python -m eqxshard.launch` ends them and exits with this process's code, and
-    under any other launcher they exit with an error after `heartbeat_timeout_seconds`.
-    `sys.exit(0)` and the end of the script wait for the others as usual. Not covered:
-    `raise SystemExit(n)` written out (use `sys.exit(n)`), and `os._exit(n)`, which ends
-    the process at once anyway.
+    `sys.exit(n)` or `raise SystemExit(n)` with n != 0 with code n (after printing a
+    message given instead of a code). Without it, the process would wait at exit in
+    JAX's shutdown barrier for the others, which wait for it in their next collective:
+    the whole run hangs until JAX's timeouts (minutes), and then ends with the wrong
+    code. Ended at once, the others stop too: `python -m eqxshard.launch` ends them and
+    exits with this process's code, and under any other launcher they exit with an error
+    after `heartbeat_timeout_seconds`. `sys.exit(0)` and the end of the script wait for
+    the others as usual. On Python 3.11, which has no `sys.monitoring`, only `sys.exit(n)`
+    is covered (`initialize` replaces `sys.exit` there): `raise SystemExit(n)` written
+    out waits as above. `os._exit(n)` ends the process at once anyway.
 
     **Arguments:**
 
@@ -193,9 +236,11 @@ def initialize(
       taken as dead; every other process then exits with an error ("the JAX distributed
       service detected fatal errors") instead of waiting for it. `None` keeps JAX's
       default (100).
-    - `exit_on_error`: end this process at once on an uncaught exception or a non-zero
-      `sys.exit` (see above), by setting `sys.excepthook` and `sys.exit` (a `SystemExit`
-      all the same, which `except SystemExit` catches). Such an exit skips `atexit`
+    - `exit_on_error`: end this process at once on an uncaught exception or an uncaught
+      non-zero `SystemExit` (see above), by setting `sys.excepthook` and watching for
+      `SystemExit` leaving the program with `sys.monitoring` (Python 3.12+; on 3.11, by
+      setting `sys.exit` to one that raises a `SystemExit` all the same, which
+      `except SystemExit` catches). Such an exit skips `atexit`
       handlers: a checkpoint still being written in the background is not finished (it
       says so on stderr; the one before it stays the newest).
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec, Sharding
 
-from . import _compat
+from . import _compat, _exchange
 from ._tree import Flat, Path, leaf_error, pathstr, shape_str
 
 
@@ -64,7 +64,7 @@ def _checksum(x: np.ndarray) -> int:
 def check_identical(verb: str, paths: Sequence[Path], host: Sequence[np.ndarray]) -> None:
     """Raises unless every process passed the same data for each leaf."""
     local = np.array([_checksum(x) for x in host], dtype=np.uint64).reshape(len(host))
-    everywhere = _compat.allgather_host(local)
+    everywhere = _exchange.allgather_array(verb, local)
     rows = []
     for j, (path, x) in enumerate(zip(paths, host, strict=True)):
         column = everywhere[:, j]
@@ -96,6 +96,7 @@ def check_same_leaves(
     others: dict[str, str],
     *,
     process_local: bool,
+    check_consistent: bool = True,
     failed: str | None = None,
 ) -> None:
     """Raises on every process unless every process passed the same leaves.
@@ -104,28 +105,46 @@ def check_same_leaves(
     shape), `others` describes its other leaves by path (used only in the message), and
     `failed` is the error this process hit while resolving the call, if any. Every
     process must call this exactly when the others do (the caller decides from the
-    call's target, never from the tree), and it issues collectives of a fixed size
-    first: one 16-byte digest of `entries` and `failed` per process. Only when the
-    digests differ (every process sees that, so all take the same path) are the leaf
-    lists themselves gathered, padded to the longest, to say what each process passed.
-    So a tree that differs between processes is an error, not a collective mismatch.
+    call's target, never from the tree). It exchanges one 16-byte digest per process
+    first (of `verb`, the flags, `entries` and whether this process failed), through
+    `_exchange`, which bounds the wait. Only when the digests differ (every process sees
+    that, so all take the same path) are the leaf lists themselves exchanged, to say
+    what each process passed. So a tree or flags that differ between processes are an
+    error, not a collective mismatch; and the flags decide which further collectives
+    run (the checksums of `check_consistent`), so they must agree too.
     """
-    text = json.dumps([list(entries), failed is not None])
-    digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.uint64)
-    everywhere = _compat.allgather_host(digest)
-    if (everywhere == everywhere[:1]).all():
+    flags = {"process_local": process_local, "check_consistent": check_consistent}
+    text = json.dumps([verb, flags, list(entries), failed is not None])
+    digest = hashlib.sha256(text.encode()).digest()[:16]
+    everywhere = _exchange.allgather(verb, digest)
+    if all(d == everywhere[0] for d in everywhere):
         return
-    payload = json.dumps({"leaves": list(entries), "others": others, "failed": failed}).encode()
-    sizes = _compat.allgather_host(np.array([len(payload)], dtype=np.int64))[:, 0]
-    padded = np.zeros(int(sizes.max()), dtype=np.uint8)
-    padded[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-    gathered = _compat.allgather_host(padded)
-    seen = [json.loads(row[:n].tobytes().decode()) for row, n in zip(gathered, sizes, strict=True)]
+    payload = {"verb": verb, "flags": flags, "leaves": list(entries), "others": others}
+    payload["failed"] = failed
+    gathered = _exchange.allgather(verb, json.dumps(payload).encode())
+    seen = [json.loads(row.decode()) for row in gathered]
     raise ValueError(_mismatch_message(verb, seen, process_local=process_local))
 
 
 def _mismatch_message(verb: str, seen: list[dict[str, Any]], *, process_local: bool) -> str:
     """What each process passed, for every leaf where they differ."""
+    verbs = [s["verb"] for s in seen]
+    if len(set(verbs)) > 1:
+        calls = ", ".join(f"process {p}: `{v}`" for p, v in enumerate(verbs))
+        return (
+            f"The processes made different eqxshard calls at the same point ({calls}); each "
+            "cross-process call must be made by every process, in the same order. Nothing "
+            "was placed or gathered on any process."
+        )
+    for flag in ("process_local", "check_consistent"):
+        values = [s["flags"][flag] for s in seen]
+        if len(set(values)) > 1:
+            cells = ", ".join(f"process {p}: {v}" for p, v in enumerate(values))
+            return (
+                f"`{verb}` was called with different `{flag}` on different processes "
+                f"({cells}). Pass the same `{flag}` on every process (it decides which "
+                "checks run across processes); nothing was placed on any process."
+            )
     tables: list[dict[str, tuple[str, tuple[int, ...]]]] = [
         {path: (dtype, tuple(shape)) for path, dtype, shape in s["leaves"]} for s in seen
     ]

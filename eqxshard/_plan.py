@@ -34,7 +34,7 @@ def plan_shardings(
     flat = Flat(tree, is_array=is_array_like)
     target = _resolve.UNSET if target is None else target
     spec = _resolve.UNSET if spec is None else spec
-    return flat, _resolve.resolve(verb, flat, target, spec, check_consistent=sync)
+    return flat, _resolve.resolve(verb, flat, target, spec, sync=sync)
 
 
 def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:

@@ -76,6 +76,8 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         traced leaf asked to move to another device or backend inside `jit` (do the move
         outside `jit`), or a memory kind inside `jit` on a JAX that cannot move memory
         there (jax < 0.8 on CPU).
+    - `TimeoutError`: with several processes, if another process does not make the same
+        call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 
     !!! Example
 
@@ -101,7 +103,7 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
             f"but got {memory_kind!r} of type {type(memory_kind).__name__}."
         )
     flat = Flat(tree)
-    sync = _resolve.must_sync(target, process_local=False, check_consistent=True)
+    sync = _resolve.must_sync(target)
     if not any(flat.is_array) and not sync:  # see `filter_shard`
         return tree
     if target is None:

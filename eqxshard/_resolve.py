@@ -90,17 +90,20 @@ def resolve(
     resolve_str: Callable[[str], Sharding] | None = None,
     process_local: bool = False,
     check_consistent: bool = True,
+    sync: bool = True,
 ) -> dict[int, Sharding]:
     """The sharding each array leaf must get (leaves to leave alone are absent).
 
     `target` and `spec` are read as described in `_resolve_here`. With several processes
     and a `target` that spans them, every process then checks that all passed the same
-    leaves (`_multihost.check_same_leaves`), also when this process failed to resolve
-    the call: an error raised on some processes only would leave the others waiting in
-    the next collective, so it is raised on every process instead. Whether to check is
-    decided from `target` alone, never from `tree`, so that all processes take part.
+    leaves and flags (`_multihost.check_same_leaves`), also when this process failed to
+    resolve the call: an error raised on some processes only would leave the others
+    waiting in the next collective, so it is raised on every process instead. Whether to
+    check is decided from `target` alone, never from `tree` or the flags, so that all
+    processes take part. `sync=False` (verbs that only read a plan and move nothing)
+    skips the check, so that one process may call them alone.
     """
-    if not must_sync(target, process_local=process_local, check_consistent=check_consistent):
+    if not (sync and must_sync(target)):
         return _resolve_here(verb, flat, target, spec, resolve_str, process_local)
     try:
         out = _resolve_here(verb, flat, target, spec, resolve_str, process_local)
@@ -108,13 +111,18 @@ def resolve(
         indices = [i for i in flat.array_indices if not _compat.is_tracer(flat.leaves[i])]
         failed = f"{type(e).__name__}: {e}"
         _check_same_leaves(
-            verb, flat, indices, process_local=process_local, failed=failed, local=set()
+            verb,
+            flat,
+            indices,
+            flags=(process_local, check_consistent),
+            failed=failed,
+            local=set(),
         )
         raise
     # Only leaves bound for devices of several processes: others take part in no collective.
     indices = [i for i, s in out.items() if _spans(s) and not _compat.is_tracer(flat.leaves[i])]
     _check_same_leaves(
-        verb, flat, indices, process_local=process_local, failed=None, local=set(out)
+        verb, flat, indices, flags=(process_local, check_consistent), failed=None, local=set(out)
     )
     return out
 
@@ -125,17 +133,16 @@ def _spans(sharding: Sharding) -> bool:
     return not sharding.is_fully_addressable
 
 
-def must_sync(target: Any, *, process_local: bool, check_consistent: bool) -> bool:
+def must_sync(target: Any) -> bool:
     """Whether a call with this `target` checks its leaves across processes.
 
     Yes where `target` (or the mesh set by `jax.set_mesh`, for a `PartitionSpec` or no
     target) spans several processes, outside any transformation (no collective can run
-    while tracing), unless both checks were turned off. Read from `target` only: the
-    same on every process that passes the same `target`, whatever its tree holds.
+    while tracing). Read from `target` only: the same on every process that passes the
+    same `target`, whatever its tree holds and whatever flags it passed (flags that
+    differ between processes are reported by the check itself).
     """
-    if jax.process_count() == 1 or not (process_local or check_consistent):
-        return False
-    if _compat.tracing():
+    if jax.process_count() == 1 or _compat.tracing():
         return False
     leaves = jax.tree_util.tree_leaves(target, is_leaf=_is_target_leaf)
     for t in leaves:
@@ -153,7 +160,7 @@ def _check_same_leaves(
     flat: Flat,
     indices: list[int],
     *,
-    process_local: bool,
+    flags: tuple[bool, bool],
     failed: str | None,
     local: set[int],
 ) -> None:
@@ -170,7 +177,15 @@ def _check_same_leaves(
     others = {
         pathstr(flat.paths[i]): other(i, x) for i, x in enumerate(flat.leaves) if i not in chosen
     }
-    _multihost.check_same_leaves(verb, entries, others, process_local=process_local, failed=failed)
+    process_local, check_consistent = flags
+    _multihost.check_same_leaves(
+        verb,
+        entries,
+        others,
+        process_local=process_local,
+        check_consistent=check_consistent,
+        failed=failed,
+    )
 
 
 def check_dtypes(verb: str, flat: Flat, indices: list[int]) -> None:

@@ -62,15 +62,15 @@ def filter_shard(
         local part (e.g. its slice of a batch) and the parts together make one global
         array: the global size of each dim split across processes is the sum of the
         local sizes. Outside `jit` only; needs a mesh target.
-    - `check_consistent`: with several processes and a target that spans them, every
-        process is checked to pass the same tree (one fixed-size digest of the paths,
-        shapes and dtypes of the leaves placed across processes; also with
-        `process_local=True`, where local shapes must agree), and host data passed with
-        `process_local=False` to be identical on every process (a checksum per leaf), as
-        different data would silently diverge: two small collectives per call, on every
-        process that makes the call. `False` skips both, except the digest with
-        `process_local=True` (then every process must pass the same tree, or the run may
-        hang).
+    - `check_consistent`: with several processes and a target that spans them, host
+        data passed with `process_local=False` is checked to be identical on every
+        process (a checksum per leaf: different data would silently diverge). `False`
+        skips that check. Either way every process first checks that all passed the same
+        tree and flags: one 16-byte digest of the paths, shapes and dtypes of the leaves
+        placed across processes (local shapes with `process_local=True`) and of these
+        two flags, exchanged through JAX's coordination service. A process that does not
+        make the same call is reported after `EQXSHARD_SYNC_TIMEOUT` seconds (default
+        600) instead of the run hanging.
 
     **Returns:**
 
@@ -92,6 +92,8 @@ def filter_shard(
         (do that move outside `jit`); `process_local=True` is used inside `jit` or with a
         non-mesh target, or processes pass different local shapes; processes pass
         different data for a global array.
+    - `TimeoutError`: with several processes, if another process does not make the same
+        call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 
     Nothing is placed unless every leaf passes these checks. Inside `jit`, a move that
     eqxshard cannot see at trace time (the traced array carries no mesh and none is set)
@@ -132,9 +134,7 @@ def filter_shard(
     spec = _resolve.UNSET if spec is None else spec
     # With several processes, a call that spans them checks its leaves with the other
     # processes even if this process has no arrays (theirs may differ).
-    sync = _resolve.must_sync(
-        target, process_local=process_local, check_consistent=check_consistent
-    )
+    sync = _resolve.must_sync(target)
     if not any(flat.is_array) and not sync:
         return tree
     shardings = _resolve.resolve(
@@ -175,6 +175,8 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
     - `ValueError`: if `mesh` is `None` and no mesh is set, or (inside `jit`) if a traced
         leaf lives on other devices than `mesh`; with several processes, if they pass
         different trees.
+    - `TimeoutError`: with several processes, if another process does not make the same
+        call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
     - `TypeError`: if `mesh` is not a `Mesh`, or for array leaves of a dtype JAX has no
         arrays of (NumPy strings, objects, ...).
 
@@ -196,7 +198,7 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
         )
     flat = Flat(tree)
     target = _resolve.UNSET if mesh is None else mesh
-    sync = _resolve.must_sync(target, process_local=False, check_consistent=True)
+    sync = _resolve.must_sync(target)
     if not any(flat.is_array) and not sync:
         return tree
     shardings = _resolve.resolve("filter_replicate", flat, target, _resolve.UNSET)

@@ -11,7 +11,9 @@ last scenario checks that both processes are still in step afterwards.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import check, join, run_scenarios
 
 import eqxshard
+from eqxshard import _exchange
 
 SCENARIOS: dict[str, Callable[[int], None]] = {}
 
@@ -215,6 +218,61 @@ def filter_get_of_different_global_trees(process: int) -> None:
         ["`filter_get`", "['b']", "process 0: float32 (8,)", "process 1: an array on this"],
         absent=("['a']",),
     )
+
+
+@scenario
+def different_check_consistent_flags(process: int) -> None:
+    """The flag decides whether the data checksums are exchanged, so it must agree."""
+    raises(
+        lambda: eqxshard.filter_shard({"x": X}, mesh8(), check_consistent=process == 0),
+        [
+            "`filter_shard` was called with different `check_consistent`",
+            "process 0: True, process 1: False",
+        ],
+    )
+
+
+@scenario
+def different_verbs_at_the_same_point(process: int) -> None:
+    mesh = mesh8()
+    placed = eqxshard.filter_shard({"a": X}, mesh, P("data"))
+    if process == 0:
+        call = lambda: eqxshard.filter_shard({"a": X}, mesh, P("data"))  # noqa: E731
+    else:
+        call = lambda: eqxshard.filter_get(placed)  # noqa: E731
+    raises(
+        call,
+        ["different eqxshard calls", "process 0: `filter_shard`", "process 1: `filter_get`"],
+    )
+
+
+@scenario
+def filter_get_of_global_arrays_on_one_process_only(process: int) -> None:
+    """Process 1 fetches a tree holding no array that spans processes, so it takes part
+    in no check; process 0, which fetches a global array, waits for it only so long."""
+    placed = eqxshard.filter_shard({"a": X}, mesh8(), P("data"))
+    if process == 0:
+        os.environ["EQXSHARD_SYNC_TIMEOUT"] = "2"
+        start = time.monotonic()
+        try:
+            eqxshard.filter_get(placed)
+        except TimeoutError as e:
+            message = str(e)
+        else:
+            raise AssertionError("no TimeoutError")
+        finally:
+            del os.environ["EQXSHARD_SYNC_TIMEOUT"]
+        check(time.monotonic() - start < 60, "the wait was not bounded by the timeout")
+        for word in ("`filter_get` waited 2 s for process(es) [1]", "EQXSHARD_SYNC_TIMEOUT"):
+            check(word in message, f"{word!r} missing from the error:\n{message}")
+    else:
+        out = eqxshard.filter_get({"b": np.ones(3)})
+        check(np.array_equal(out["b"], np.ones(3)), "the local fetch went wrong")
+        time.sleep(8)  # past process 0's timeout
+    # Process 0 made one exchange more than process 1: make one on process 1 too, so
+    # that the scenarios after this one meet again (a real run would end on the error).
+    if process == 1:
+        _exchange.allgather("resync", b"")
 
 
 @scenario

@@ -120,7 +120,7 @@ def test_sigkill_mid_save_then_resume_loses_and_repeats_no_step(
     ("fault", "code", "said"),
     [
         ("exception", 1, r"\[1\] RuntimeError: injected failure at step 2"),
-        ("exit", 3, r"\[1\] eqxshard: process 1 ended by sys\.exit\(3\) \(exit code 3\)"),
+        ("exit", 3, r"\[1\] eqxshard: process 1 ended by SystemExit\(3\) \(exit code 3\)"),
         (
             "disk_full",
             1,

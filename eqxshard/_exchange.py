@@ -1,0 +1,138 @@
+"""Small host data shared between the processes of a run, with a bound on the wait.
+
+Every cross-process check eqxshard makes (the digest of the leaves a call places, the
+table shown when they differ, the checksums of host data) goes through `allgather`: each
+process posts its bytes to JAX's coordination service (the key-value store that
+`jax.distributed.initialize` starts) and reads the others', waiting at most
+`timeout()` seconds. A process that never makes the matching call (it took another
+branch, or failed before reaching it) is then reported by name, instead of the run
+hanging in a collective that never completes. The data collectives that follow a check
+(`process_allgather` in `filter_get`, the transfers in `filter_shard`) only run once
+every process has agreed, so they cannot mismatch either.
+
+Calls are matched by their order: the n-th exchange of one process meets the n-th of
+every other, and the call's `verb` travels with the data, so two processes at the n-th
+exchange of different verbs see it in the check's message.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+TIMEOUT_VAR = "EQXSHARD_SYNC_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+_PREFIX = "eqxshard/exchange"
+
+_calls = itertools.count()
+
+
+class SyncTimeoutError(TimeoutError):
+    """A cross-process check of eqxshard waited longer than `EQXSHARD_SYNC_TIMEOUT`."""
+
+
+def timeout() -> float:
+    """Seconds one exchange waits for the other processes: `EQXSHARD_SYNC_TIMEOUT` (default
+    600)."""
+    raw = os.environ.get(TIMEOUT_VAR)
+    if raw is None or raw == "":
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(
+            f"{TIMEOUT_VAR}={raw!r} must be a number of seconds > 0 (the longest eqxshard "
+            "waits for the other processes in a cross-process check). Unset it for the "
+            f"default of {DEFAULT_TIMEOUT:g} s."
+        )
+    return value
+
+
+def _client() -> Any:
+    """JAX's coordination-service client, or `None` where this JAX has none to offer."""
+    try:
+        from jax._src import distributed
+    except ImportError:  # pragma: no cover - a JAX that moved it
+        return None
+    client = getattr(distributed.global_state, "client", None)
+    needed = ("key_value_set_bytes", "blocking_key_value_get_bytes", "key_value_delete")
+    return client if all(hasattr(client, m) for m in needed) else None
+
+
+def allgather(verb: str, payload: bytes) -> list[bytes]:
+    """Every process's `payload`, in process order; the same list on every process.
+
+    Each process must call it as often as the others and in the same order (eqxshard
+    decides from a call's arguments, never from timing). Raises `SyncTimeoutError`,
+    naming the processes that did not post, after `timeout()` seconds.
+    """
+    count = jax.process_count()
+    if count == 1:
+        return [payload]
+    limit = timeout()
+    client = _client()
+    if client is None:  # pragma: no cover - every JAX eqxshard supports has the client
+        return _allgather_collective(payload)
+    call = next(_calls)
+    me = jax.process_index()
+    client.key_value_set_bytes(f"{_PREFIX}/{call}/{me}", payload)
+    deadline = time.monotonic() + limit
+    out: list[bytes] = []
+    for p in range(count):
+        if p == me:
+            out.append(payload)
+            continue
+        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
+        try:
+            out.append(bytes(client.blocking_key_value_get_bytes(f"{_PREFIX}/{call}/{p}", wait_ms)))
+        except Exception as e:  # JAX raises its runtime error with DEADLINE_EXCEEDED
+            if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+                raise
+            missing = [q for q in range(count) if q != me and not _posted(client, call, q)]
+            raise SyncTimeoutError(
+                f"`{verb}` waited {limit:g} s for process(es) {missing} to make the same "
+                f"call (eqxshard's cross-process check #{call} on process {me}), and they "
+                "did not. Every process must make the same eqxshard calls in the same order "
+                "with the same kind of tree: here some process skipped this call, called "
+                "it on a tree with no arrays spanning processes, or failed before it (see "
+                f"its own error). A process that is only slow needs a larger {TIMEOUT_VAR} "
+                "(seconds)."
+            ) from None
+    if call >= 2:  # every process has read call - 2 by now: it posted call - 1 after that
+        client.key_value_delete(f"{_PREFIX}/{call - 2}/{me}")
+    return out
+
+
+def _posted(client: Any, call: int, process: int) -> bool:
+    try:
+        client.key_value_try_get_bytes(f"{_PREFIX}/{call}/{process}")
+    except Exception:
+        return False
+    return True
+
+
+def _allgather_collective(payload: bytes) -> list[bytes]:  # pragma: no cover
+    """The same through an XLA collective (unbounded), where JAX offers no client."""
+    from jax.experimental import multihost_utils
+
+    size = np.array([len(payload)], dtype=np.int64).view(np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(size, tiled=False))
+    lengths = [int(n) for n in np.ascontiguousarray(sizes).view(np.int64).reshape(-1)]
+    padded = np.zeros(max(lengths), dtype=np.uint8)
+    padded[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(padded, tiled=False))
+    return [row[:n].tobytes() for row, n in zip(rows, lengths, strict=True)]
+
+
+def allgather_array(verb: str, values: np.ndarray) -> np.ndarray:
+    """`allgather` of a small host array: shape `(process_count, *values.shape)`."""
+    raw = np.ascontiguousarray(values).tobytes()
+    rows = allgather(verb, raw)
+    return np.stack([np.frombuffer(r, dtype=values.dtype).reshape(values.shape) for r in rows])
