@@ -10,6 +10,10 @@ hanging in a collective that never completes. The data collectives that follow a
 (`process_allgather` in `filter_get`, the transfers in `filter_shard`) only run once
 every process has agreed, so they cannot mismatch either.
 
+The wait is a barrier of the coordination service: if one process times out, the barrier
+fails for every process, also one that comes later, which then raises at once instead
+of going on alone.
+
 Calls are matched by their order: the n-th exchange of one process meets the n-th of
 every other, and the call's `verb` travels with the data, so two processes at the n-th
 exchange of different verbs see it in the check's message.
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import time
 from typing import Any
 
 import jax
@@ -30,6 +33,7 @@ DEFAULT_TIMEOUT = 600.0
 _PREFIX = "eqxshard/exchange"
 
 _calls = itertools.count()
+_failed: str | None = None  # the check that timed out on this process, if one did
 
 
 class SyncTimeoutError(TimeoutError):
@@ -62,7 +66,7 @@ def _client() -> Any:
     except ImportError:  # pragma: no cover - a JAX that moved it
         return None
     client = getattr(distributed.global_state, "client", None)
-    needed = ("key_value_set_bytes", "blocking_key_value_get_bytes", "key_value_delete")
+    needed = ("key_value_set_bytes", "wait_at_barrier", "key_value_dir_get_bytes")
     return client if all(hasattr(client, m) for m in needed) else None
 
 
@@ -70,8 +74,12 @@ def allgather(verb: str, payload: bytes) -> list[bytes]:
     """Every process's `payload`, in process order; the same list on every process.
 
     Each process must call it as often as the others and in the same order (eqxshard
-    decides from a call's arguments, never from timing). Raises `SyncTimeoutError`,
-    naming the processes that did not post, after `timeout()` seconds.
+    decides from a call's arguments, never from timing). After one timed out, every
+    later call raises at once. Each process posts its payload,
+    waits at a barrier of this call for the others (at most `timeout()` seconds), then
+    reads all payloads in one request: a few requests per process, whatever the number
+    of processes. Raises `SyncTimeoutError` naming the processes that did not come; a
+    process that comes after the others gave up raises at once, as they did.
     """
     count = jax.process_count()
     if count == 1:
@@ -80,34 +88,51 @@ def allgather(verb: str, payload: bytes) -> list[bytes]:
     client = _client()
     if client is None:  # pragma: no cover - every JAX eqxshard supports has the client
         return _allgather_collective(payload)
+    global _failed
+    if _failed is not None:
+        raise SyncTimeoutError(
+            f"`{verb}` cannot check its leaves across processes: an earlier cross-process "
+            f"check timed out on this process ({_failed}), so the processes' calls no longer "
+            "pair up. End the run and fix that call first."
+        )
     call = next(_calls)
     me = jax.process_index()
     client.key_value_set_bytes(f"{_PREFIX}/{call}/{me}", payload)
-    deadline = time.monotonic() + limit
-    out: list[bytes] = []
-    for p in range(count):
-        if p == me:
-            out.append(payload)
-            continue
-        wait_ms = max(1, int((deadline - time.monotonic()) * 1000))
-        try:
-            out.append(bytes(client.blocking_key_value_get_bytes(f"{_PREFIX}/{call}/{p}", wait_ms)))
-        except Exception as e:  # JAX raises its runtime error with DEADLINE_EXCEEDED
-            if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
-                raise
-            missing = [q for q in range(count) if q != me and not _posted(client, call, q)]
-            raise SyncTimeoutError(
-                f"`{verb}` waited {limit:g} s for process(es) {missing} to make the same "
-                f"call (eqxshard's cross-process check #{call} on process {me}), and they "
-                "did not. Every process must make the same eqxshard calls in the same order "
-                "with the same kind of tree: here some process skipped this call, called "
-                "it on a tree with no arrays spanning processes, or failed before it (see "
-                f"its own error). A process that is only slow needs a larger {TIMEOUT_VAR} "
-                "(seconds)."
-            ) from None
-    if call >= 2:  # every process has read call - 2 by now: it posted call - 1 after that
+    try:
+        # One barrier id for all calls: the coordination service counts its uses, so the
+        # n-th wait of one process meets the n-th of the others (and keeps no state per
+        # call). After a timeout the counts no longer pair up: no further wait is made.
+        client.wait_at_barrier(f"{_PREFIX}/barrier", max(1, int(limit * 1000)))
+    except Exception as e:  # JAX's runtime error, DEADLINE_EXCEEDED when it timed out
+        if "DEADLINE_EXCEEDED" not in str(e):
+            raise
+        _failed = f"`{verb}`, check #{call}"
+        raise SyncTimeoutError(_late(verb, call, me, count, limit, client)) from None
+    rows = client.key_value_dir_get_bytes(f"{_PREFIX}/{call}/")
+    by_process = {int(key.rsplit("/", 1)[1]): bytes(value) for key, value in rows}
+    if call >= 2:  # every process has read call - 2: it reached barrier call - 1 after that
         client.key_value_delete(f"{_PREFIX}/{call - 2}/{me}")
-    return out
+    return [by_process[p] for p in range(count)]
+
+
+def _late(verb: str, call: int, me: int, count: int, limit: float, client: Any) -> str:
+    """The message of a timed-out exchange: who never came, or that this process is late."""
+    missing = [p for p in range(count) if p != me and not _posted(client, call, p)]
+    advice = (
+        "Every process must make the same eqxshard calls in the same order with the same "
+        "kind of tree: here some process skipped this call, called it on a tree with no "
+        "arrays spanning processes, or failed before it (see its own error). A process that "
+        f"is only slow needs a larger {TIMEOUT_VAR} (seconds)."
+    )
+    if missing:
+        return (
+            f"`{verb}` waited {limit:g} s for process(es) {missing} to make the same call "
+            f"(eqxshard's cross-process check #{call} on process {me}), and they did not. " + advice
+        )
+    return (
+        f"`{verb}` came to eqxshard's cross-process check #{call} on process {me} after "
+        f"the other processes had stopped waiting for it ({limit:g} s). " + advice
+    )
 
 
 def _posted(client: Any, call: int, process: int) -> bool:

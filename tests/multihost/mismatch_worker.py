@@ -25,7 +25,6 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import check, join, run_scenarios
 
 import eqxshard
-from eqxshard import _exchange
 
 SCENARIOS: dict[str, Callable[[int], None]] = {}
 
@@ -247,6 +246,16 @@ def different_verbs_at_the_same_point(process: int) -> None:
 
 
 @scenario
+def still_in_step_afterwards(process: int) -> None:
+    mesh = mesh8()
+    model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
+    placed = eqxshard.filter_shard(model, mesh, P("data"))
+    back = eqxshard.filter_get(placed)
+    check(np.array_equal(back.weight, np.asarray(model.weight)), "weights differ")
+    check(not placed.weight.is_fully_addressable, "not a global array")
+
+
+@scenario
 def filter_get_of_global_arrays_on_one_process_only(process: int) -> None:
     """Process 1 fetches a tree holding no array that spans processes, so it takes part
     in no check; process 0, which fetches a global array, waits for it only so long."""
@@ -269,20 +278,28 @@ def filter_get_of_global_arrays_on_one_process_only(process: int) -> None:
         out = eqxshard.filter_get({"b": np.ones(3)})
         check(np.array_equal(out["b"], np.ones(3)), "the local fetch went wrong")
         time.sleep(5)  # past process 0's timeout
-    # Process 0 made one exchange more than process 1: make one on process 1 too, so
-    # that the scenarios after this one meet again (a real run would end on the error).
-    if process == 1:
-        _exchange.allgather("resync", b"")
-
-
-@scenario
-def still_in_step_afterwards(process: int) -> None:
-    mesh = mesh8()
-    model = eqx.nn.Linear(8, 8, key=jax.random.key(0))
-    placed = eqxshard.filter_shard(model, mesh, P("data"))
-    back = eqxshard.filter_get(placed)
-    check(np.array_equal(back.weight, np.asarray(model.weight)), "weights differ")
-    check(not placed.weight.is_fully_addressable, "not a global array")
+    # Process 1's next check comes after process 0 stopped waiting: it raises at once
+    # rather than go on alone; and process 0, whose checks no longer pair up with
+    # process 1's, refuses any further check. (So this scenario must be the last.)
+    if process == 0:
+        try:
+            eqxshard.filter_shard({"a": X}, mesh8(), P("data"))
+        except TimeoutError as e:
+            message = str(e)
+        else:
+            raise AssertionError("no TimeoutError after a timed-out check")
+        check("an earlier cross-process check timed out" in message, message)
+    else:
+        start = time.monotonic()
+        try:
+            eqxshard.filter_shard({"a": X}, mesh8(), P("data"))
+        except TimeoutError as e:
+            message = str(e)
+        else:
+            raise AssertionError("no TimeoutError on the late process")
+        check(time.monotonic() - start < 30, "the late process waited")
+        for word in ("`filter_shard` came to eqxshard's cross-process check", "stopped waiting"):
+            check(word in message, f"{word!r} missing from the error:\n{message}")
 
 
 def main() -> None:
