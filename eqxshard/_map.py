@@ -14,16 +14,15 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from ._axis_name import check_axis_name_size, check_no_collectives
 from ._budget import AutoBatchSize, check_memory_budget
 from ._compat import axis_type_map, is_tracer, traced_sharding
 from ._mapping import (
     IF_ARRAY_0,
     _Trace,
     _vmapped_body,
-    check_axis_name_size,
     check_batch_size,
     check_mapped_leaves,
-    check_no_collectives,
     named_in_axes,
     resolve_axes,
 )

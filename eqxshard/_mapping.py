@@ -43,95 +43,6 @@ def named_in_axes(fun: Callable, in_axes: Any, args: tuple, name: str) -> Any:
     return tuple(in_axes.get(p, IF_ARRAY_0) for p in params[: len(args)])
 
 
-def check_axis_name_size(axis_name: Any, axis_size: Any, name: str) -> None:
-    """Raises if `axis_name` is not hashable or `axis_size` is not `None` or an int >= 0."""
-    if not isinstance(axis_name, Hashable):
-        raise TypeError(
-            f"`{name}(axis_name=...)` must be hashable (a string, usually), got "
-            f"{type(axis_name).__name__}."
-        )
-    if axis_size is None:
-        return
-    if not _is_int(axis_size):
-        raise TypeError(
-            f"`{name}(axis_size=...)` must be `None` or an int, got {axis_size!r} of type "
-            f"{type(axis_size).__name__}."
-        )
-    if axis_size < 0:
-        raise ValueError(f"`{name}(axis_size=...)` must be >= 0, got {axis_size}.")
-
-
-def _is_axis(value: Any, axis_name: Hashable) -> bool:
-    try:
-        if isinstance(value, tuple | list):
-            return any(_is_axis(v, axis_name) for v in value)
-        return type(value) is type(axis_name) and bool(value == axis_name)
-    except Exception:
-        return False
-
-
-def _subjaxprs(value: Any) -> list[Any]:
-    if isinstance(value, tuple | list):
-        return [j for v in value for j in _subjaxprs(v)]
-    if hasattr(value, "eqns"):
-        return [value]
-    if hasattr(getattr(value, "jaxpr", None), "eqns"):
-        return [value.jaxpr]
-    return []
-
-
-def _uses_axis(jaxpr: Any, axis_name: Hashable) -> list[str]:
-    found = []
-    for eqn in jaxpr.eqns:
-        for key, value in eqn.params.items():
-            if "ax" in key and _is_axis(value, axis_name):
-                found.append(str(eqn.primitive))
-            for sub in _subjaxprs(value):
-                found.extend(_uses_axis(sub, axis_name))
-    return found
-
-
-def check_no_collectives(
-    fun: Callable,
-    args_def: Any,
-    leaves: list[Any],
-    idx: list[int],
-    rows: list[Any],
-    n: int,
-    axis_name: Hashable,
-    batch_size: int | None,
-    name: str,
-) -> None:
-    """Raises if `fun` uses a collective over `axis_name` (e.g. `psum`, `axis_index`): in
-    chunks it would only see the rows of one chunk, not all `n` rows as under `vmap`.
-
-    `rows` are the mapped leaves with the mapped axis first."""
-
-    def row_fun(row: list[Any], rest: list[Any]) -> list[Any]:
-        full = list(leaves)
-        for i, x in zip(idx, row, strict=True):
-            full[i] = x
-        for i, x in zip(rest_idx, rest, strict=True):
-            full[i] = x
-        return [
-            x for x in jtu.tree_leaves(fun(*jtu.tree_unflatten(args_def, full))) if eqx.is_array(x)
-        ]
-
-    rest_idx = [i for i, x in enumerate(leaves) if i not in idx and eqx.is_array(x)]
-    row = [jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in rows]
-    rest = [jax.ShapeDtypeStruct(leaves[i].shape, leaves[i].dtype) for i in rest_idx]
-    jaxpr = jax.make_jaxpr(row_fun, axis_env=[(axis_name, n)])(row, rest)
-    found = sorted(set(_uses_axis(jaxpr.jaxpr, axis_name)))
-    if found:
-        raise ValueError(
-            f"`{name}(axis_name={axis_name!r})`: `fun` uses collectives over the mapped axis "
-            f"({', '.join(found)}), but `batch_size={batch_size}` maps the {n} rows in chunks, "
-            "and a collective in a chunk would see only that chunk's rows, giving other values "
-            f"than `eqx.filter_vmap`. Pass `batch_size` >= {n} (one chunk), use "
-            "`eqx.filter_vmap`, or return per-row values and reduce them after the map."
-        )
-
-
 def check_batch_size(
     batch_size: Any, name: str, *, allow_none: bool = True, allow_auto: bool = False
 ) -> None:
@@ -197,6 +108,34 @@ def _fmt(paths: list[str], rows: list[str]) -> str:
     return "\n".join(f"  {p.ljust(width)}  {r}" for p, r in zip(paths, rows, strict=True))
 
 
+def check_axes_in_range(
+    name: str, paths: list[str], axes: dict[int, int], ndims: dict[int, int], row: Callable
+) -> None:
+    """Raises naming every mapped leaf whose `in_axes` entry is not one of its `ndims`
+    axes; `row(i)` describes leaf `i` after its path."""
+    bad = [i for i, a in axes.items() if not -ndims[i] <= a < ndims[i]]
+    if bad:
+        raise ValueError(
+            f"`{name}(in_axes=...)` names an axis these leaves do not have:\n"
+            + _fmt([paths[i] for i in bad], [row(i) for i in bad])
+            + "\nUse an axis in range for each leaf's shape, or `None` to broadcast it."
+        )
+
+
+def check_same_size(
+    name: str, paths: list[str], sizes: dict[int, int], what: str, row: Callable, fix: str
+) -> int:
+    """Raises unless the mapped leaves all have one `sizes[i]` (`what` names it, `row(i)`
+    describes leaf `i`); returns it."""
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"`{name}` needs every mapped leaf to have the same {what}; got:\n"
+            + _fmt([paths[i] for i in sizes], [row(i) for i in sizes])
+            + f"\n{fix}"
+        )
+    return next(iter(sizes.values()))
+
+
 def check_mapped_leaves(
     paths: list[str], leaves: list[Any], axes: dict[int, int], name: str
 ) -> int:
@@ -209,28 +148,23 @@ def check_mapped_leaves(
             + _fmt([paths[i] for i in not_arrays], [type(leaves[i]).__name__ for i in not_arrays])
             + "\nGive them `in_axes=None` (the default `eqx.if_array(0)` does)."
         )
-    out_of_range = [i for i in idx if not -len(leaves[i].shape) <= axes[i] < len(leaves[i].shape)]
-    if out_of_range:
-        raise ValueError(
-            f"`{name}(in_axes=...)` names an axis these leaves do not have:\n"
-            + _fmt(
-                [paths[i] for i in out_of_range],
-                [f"shape {tuple(leaves[i].shape)}  in_axes {axes[i]}" for i in out_of_range],
-            )
-            + "\nUse an axis in range for each leaf's shape, or `None` to broadcast it."
-        )
-    sizes = {i: leaves[i].shape[axes[i]] for i in idx}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(
-            f"`{name}` needs every mapped leaf to have the same size along its mapped axis; "
-            "got:\n"
-            + _fmt(
-                [paths[i] for i in idx],
-                [f"shape {tuple(leaves[i].shape)}  axis {axes[i]}  size {sizes[i]}" for i in idx],
-            )
-            + "\nSlice or pad them to one size, or broadcast some with `in_axes=None`."
-        )
-    return next(iter(sizes.values()))
+    shapes = {i: tuple(leaves[i].shape) for i in idx}
+    check_axes_in_range(
+        name,
+        paths,
+        axes,
+        {i: len(s) for i, s in shapes.items()},
+        lambda i: f"shape {shapes[i]}  in_axes {axes[i]}",
+    )
+    sizes = {i: shapes[i][axes[i]] for i in idx}
+    return check_same_size(
+        name,
+        paths,
+        sizes,
+        "size along its mapped axis",
+        lambda i: f"shape {shapes[i]}  axis {axes[i]}  size {sizes[i]}",
+        "Slice or pad them to one size, or broadcast some with `in_axes=None`.",
+    )
 
 
 class _Trace:

@@ -8,7 +8,6 @@ from typing import Any, overload
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import tqdm
@@ -17,134 +16,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ._compat import is_tracer
 from ._mapping import (
     IF_ARRAY_0,
-    _fmt,
-    _Trace,
-    _vmapped_body,
     check_batch_size,
     named_in_axes,
     resolve_axes,
 )
-
-_NAME = "filter_stream"
-
-
-def _rows(leaf: Any, axis: int) -> int:
-    shape = getattr(leaf, "shape", None)
-    return int(shape[axis]) if shape is not None else len(leaf)
-
-
-def _check_mapped(paths: list[str], leaves: list[Any], axes: dict[int, int]) -> int:
-    """Checks the streamed leaves; returns their common number of rows."""
-    bad = [
-        i
-        for i, a in axes.items()
-        if not hasattr(leaves[i], "__getitem__")
-        or not (hasattr(leaves[i], "shape") or hasattr(leaves[i], "__len__"))
-        or (a != 0 and not isinstance(leaves[i], np.ndarray | jax.Array))
-    ]
-    if bad:
-        raise TypeError(
-            f"`{_NAME}` streams rows of arrays or of host objects that support `len(x)` (or "
-            "`x.shape`) and slicing `x[i:j]` along axis 0 (other axes: NumPy/JAX arrays "
-            "only); these mapped leaves do not fit:\n"
-            + _fmt(
-                [paths[i] for i in bad],
-                [f"{type(leaves[i]).__name__}  in_axes {axes[i]}" for i in bad],
-            )
-            + "\nConvert them with `np.asarray`, or give them `in_axes=None` to broadcast them."
-        )
-    ndims = {i: len(leaves[i].shape) if hasattr(leaves[i], "shape") else 1 for i in axes}
-    out_of_range = [i for i, a in axes.items() if not -ndims[i] <= a < ndims[i]]
-    if out_of_range:
-        raise ValueError(
-            f"`{_NAME}(in_axes=...)` names an axis these leaves do not have:\n"
-            + _fmt(
-                [paths[i] for i in out_of_range],
-                [f"{ndims[i]} dims  in_axes {axes[i]}" for i in out_of_range],
-            )
-            + "\nUse an axis in range for each leaf's shape, or `None` to broadcast it."
-        )
-    sizes = {i: _rows(leaves[i], a) for i, a in axes.items()}
-    if len(set(sizes.values())) > 1:
-        raise ValueError(
-            f"`{_NAME}` needs every mapped leaf to have the same number of rows; got:\n"
-            + _fmt([paths[i] for i in sizes], [f"{s} rows" for s in sizes.values()])
-            + "\nSlice them to one length, or broadcast some with `in_axes=None`."
-        )
-    return next(iter(sizes.values()))
-
-
-def _host_chunk(leaf: Any, start: int, stop: int, size: int) -> Any:
-    """Rows `[start, stop)` of `leaf`, padded to `size` rows by repeating the last row."""
-    chunk = leaf[start:stop]
-    xnp = jnp if isinstance(chunk, jax.Array) else np
-    if not isinstance(chunk, jax.Array):
-        chunk = np.asarray(chunk)
-    if stop - start < size:
-        pad = xnp.repeat(chunk[-1:], size - (stop - start), axis=0)
-        chunk = xnp.concatenate([chunk, pad])
-    return chunk
-
-
-def _aval(x: Any) -> tuple[Any, ...]:
-    """What `jax.jit` compiles for: shape, dtype, weak type and sharding."""
-    return (
-        x.shape,
-        x.dtype,
-        getattr(x, "weak_type", False),
-        getattr(x, "sharding", None),
-    )
-
-
-def _hashable(tree: Any) -> tuple[Any, ...]:
-    leaves, treedef = jtu.tree_flatten(tree, is_leaf=lambda x: x is None)
-    return treedef, tuple(leaves)
-
-
-_Step = tuple[Callable[..., Any], list[_Trace]]
-
-
-def _compiled_step(
-    cache: dict[Any, _Step],
-    fun: Callable[..., Any],
-    args_def: Any,
-    static: list[Any],
-    idx: list[int],
-    const_idx: list[int],
-    out_axes: Any,
-    chunk: list[Any],
-    consts: list[Any],
-) -> _Step:
-    """The jitted chunk step, cached as `eqx.filter_jit` does: keyed by the non-array
-    leaves (hashed) and the shapes, dtypes and shardings of the arrays. Unhashable
-    non-array leaves get a fresh step (compiled on each call)."""
-    key = (
-        args_def,
-        tuple((type(x), x) for x in static),
-        tuple(idx),
-        tuple(const_idx),
-        _hashable(out_axes),
-        tuple(_aval(x) for x in chunk),
-        tuple(_aval(x) for x in consts),
-    )
-    try:
-        hit = cache.get(key)
-    except Exception:  # unhashable, or `==` that does not return a bool
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    traces: list[_Trace] = []
-
-    @jax.jit
-    def step(chunk: list[Any], consts: list[Any]) -> Any:
-        full = list(static)
-        for i, c in zip(const_idx, consts, strict=True):
-            full[i] = c
-        return _vmapped_body(fun, args_def, full, idx, out_axes, traces, _NAME)(chunk)
-
-    if key is not None:
-        cache[key] = (step, traces)
-    return step, traces
+from ._stream_host import NAME, check_mapped, host_chunk, to_host
+from ._stream_step import Step, compiled_step
 
 
 def _run(
@@ -155,7 +32,7 @@ def _run(
     mesh: Mesh | None,
     progress: bool,
     desc: str | None,
-    cache: dict[Any, _Step],
+    cache: dict[Any, Step],
     args: tuple[Any, ...],
 ) -> Any:
     flat, args_def = jtu.tree_flatten_with_path(args)
@@ -164,26 +41,24 @@ def _run(
     traced = [p for p, x in zip(paths, leaves, strict=True) if is_tracer(x)]
     if traced:
         raise TypeError(
-            f"`{_NAME}` moves data between host and devices, so it runs outside `jax.jit` "
+            f"`{NAME}` moves data between host and devices, so it runs outside `jax.jit` "
             f"(and `grad`, `vmap`, ...), but these arguments are traced: {', '.join(traced)}. "
             "Inside a transformation use `eqxshard.filter_map` instead."
         )
-    in_axes = named_in_axes(fun, in_axes, args, _NAME)
-    ax = {
-        i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", _NAME)) if a is not None
-    }
+    in_axes = named_in_axes(fun, in_axes, args, NAME)
+    ax = {i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", NAME)) if a is not None}
     if not ax:
         raise ValueError(
-            f"`{_NAME}` found nothing to stream: `in_axes` maps no argument. Give the inputs "
+            f"`{NAME}` found nothing to stream: `in_axes` maps no argument. Give the inputs "
             "to stream an int axis (the default `eqx.if_array(0)` maps every array)."
         )
-    n = _check_mapped(paths, leaves, ax)
+    n = check_mapped(paths, leaves, ax)
     idx = list(ax)
     streamed = [leaves[i] if ax[i] == 0 else np.moveaxis(leaves[i], ax[i], 0) for i in idx]
     if isinstance(mesh, Mesh):
         if batch_size % mesh.size:
             raise ValueError(
-                f"`{_NAME}(batch_size={batch_size})` must be a multiple of the {mesh.size} "
+                f"`{NAME}(batch_size={batch_size})` must be a multiple of the {mesh.size} "
                 f"devices of `mesh` {dict(mesh.shape)}, to split each chunk evenly. Pass "
                 f"batch_size={-(-batch_size // mesh.size) * mesh.size}, for example."
             )
@@ -193,7 +68,7 @@ def _run(
         rows = broadcast = None
     else:
         raise TypeError(
-            f"`{_NAME}(mesh=...)` must be a `jax.sharding.Mesh` or `None`, "
+            f"`{NAME}(mesh=...)` must be a `jax.sharding.Mesh` or `None`, "
             f"got {type(mesh).__name__}."
         )
 
@@ -207,14 +82,14 @@ def _run(
 
     def put(j: int) -> list[Any]:
         start, stop = j * batch_size, min(n, (j + 1) * batch_size)
-        return jax.device_put([_host_chunk(x, start, stop, batch_size) for x in streamed], rows)
+        return jax.device_put([host_chunk(x, start, stop, batch_size) for x in streamed], rows)
 
-    def compiled(chunk: list[Any]) -> _Step:
-        return _compiled_step(cache, fun, args_def, static, idx, const_idx, out_axes, chunk, consts)
+    def compiled(chunk: list[Any]) -> Step:
+        return compiled_step(cache, fun, args_def, static, idx, const_idx, out_axes, chunk, consts)
 
     num_chunks = -(-n // batch_size)
     if num_chunks == 0:
-        empty = [_host_chunk(x, 0, 0, 0) for x in streamed]
+        empty = [host_chunk(x, 0, 0, 0) for x in streamed]
         step, traces = compiled(empty)
         mapped_out, unmapped_out = jax.device_get(step(empty, consts))
         mapped_out = [np.asarray(y) for y in mapped_out]
@@ -234,7 +109,7 @@ def _run(
                 pending = put(j + 1) if j + 1 < num_chunks else None  # ...while this copies
                 # Blocks until chunk `j` is done. (`np.asarray` per leaf: measured faster
                 # than `jax.device_get` on the whole result.)
-                ys, unmapped = ([_to_host(y) for y in part] for part in result)
+                ys, unmapped = ([to_host(y) for y in part] for part in result)
                 del result
                 if mapped_out is None:
                     mapped_out = [np.empty((n, *y.shape[1:]), y.dtype) for y in ys]
@@ -377,7 +252,7 @@ def filter_stream(
         values = predict(model, data)  # np.ndarray of shape (10000, 1)
         ```
     """
-    check_batch_size(batch_size, _NAME, allow_none=False)
+    check_batch_size(batch_size, NAME, allow_none=False)
     if fun is None:
         return ft.partial(
             filter_stream,
@@ -389,16 +264,16 @@ def filter_stream(
             desc=desc,
         )
     if not callable(fun):
-        raise TypeError(f"`{_NAME}(fun)` must be callable, got {type(fun).__name__}.")
+        raise TypeError(f"`{NAME}(fun)` must be callable, got {type(fun).__name__}.")
     if desc is not None and not isinstance(desc, str):
-        raise TypeError(f"`{_NAME}(desc=...)` must be a string or `None`, got {desc!r}.")
-    cache: dict[Any, _Step] = {}
+        raise TypeError(f"`{NAME}(desc=...)` must be a string or `None`, got {desc!r}.")
+    cache: dict[Any, Step] = {}
 
     @ft.wraps(fun)
     def streamed(*args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise TypeError(
-                f"a function wrapped by `{_NAME}` takes positional arguments only, got "
+                f"a function wrapped by `{NAME}` takes positional arguments only, got "
                 f"keyword arguments {sorted(kwargs)}. Pass them positionally."
             )
         return _run(fun, int(batch_size), in_axes, out_axes, mesh, progress, desc, cache, args)
@@ -406,19 +281,12 @@ def filter_stream(
     return streamed
 
 
-def _to_host(x: jax.Array) -> Any:
-    """`x` as NumPy (PRNG keys, which NumPy cannot hold, as they are: `jax.device_get`)."""
-    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return jax.device_get(x)
-    return np.asarray(x)
-
-
 def _label(fun: Callable[..., Any], desc: str | None) -> str:
     """The progress bar's label: `desc`, else `fun`'s name, else `"filter_stream"`."""
     if desc is not None:
         return desc
     name = getattr(fun, "__name__", None)
-    return name if isinstance(name, str) and name.isidentifier() else _NAME
+    return name if isinstance(name, str) and name.isidentifier() else NAME
 
 
 def _auto_tqdm() -> type[tqdm.tqdm]:
