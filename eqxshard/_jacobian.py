@@ -16,7 +16,6 @@ import jax.tree_util as jtu
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._budget import AutoBatchSize, check_memory_budget
-from ._map import filter_map
 from ._mapping import check_batch_size
 
 
@@ -60,12 +59,15 @@ def _check_options(
     return tuple(axes)
 
 
-def _cut(offset: int, shape: tuple[int, ...], rev: bool, rows: Any) -> Any:
-    """The rows of one basis leaf (of `shape`, from `offset`) as its Jacobian block."""
-    block = rows[offset : offset + math.prod(shape)]
+def _cut(offset: int, shape: tuple[int, ...], n: int, rev: bool, rows: Any) -> Any:
+    """The part of `rows` for one basis leaf (of `shape`, from `offset`) as its Jacobian
+    block; `rows` has the basis axis (of size `n`) first (reverse) or last (forward)."""
+    size = math.prod(shape)
     if rev:  # output (basis) shape first
+        block = rows if (offset, size) == (0, n) else rows[offset : offset + size]
         return block.reshape(*shape, *rows.shape[1:])
-    return jnp.moveaxis(block, 0, -1).reshape(*rows.shape[1:], *shape)
+    block = rows if (offset, size) == (0, n) else rows[..., offset : offset + size]
+    return block.reshape(*rows.shape[:-1], *shape)
 
 
 def _one_hots(tree: Any, i: Any) -> Any:
@@ -78,6 +80,65 @@ def _one_hots(tree: Any, i: Any) -> Any:
         out.append(hot.astype(x.dtype).reshape(x.shape))
         offset += size
     return jtu.tree_unflatten(treedef, out)
+
+
+def _pushed(
+    one: Callable, padded: int, k: int, rev: bool, split: NamedSharding | None, devices: int
+) -> Any:
+    """`one(i)` for every basis index `i < padded`, `k` at a time, as a tree of arrays with
+    the basis axis first (reverse mode) or last (forward mode, Equinox's layout).
+
+    Each chunk is written in place (`dynamic_update_slice`) into a buffer carried through
+    one `lax.fori_loop`, not stacked by a `lax.scan`: under `vmap` a scan stacks its chunks
+    as `(chunks, batch, k, ...)` and moving the batch first copies the whole Jacobian once
+    more, while the carried buffer keeps the batch axis first. With `split`, device `c` of
+    the `devices` owns indices `[c*m, (c+1)*m)` and each step takes `k // devices` of them
+    on every device: the buffer is `(devices, m)` along the basis axis, split on the first.
+    """
+    d, m = devices, padded // devices
+    b = k // d  # per device per step
+    steps, rem = divmod(m, b)
+    lead = 0 if rev else -2  # where the `(d, m)` basis axes sit in the buffer
+
+    def constrain(x: Any, axis: int) -> Any:  # split axis `axis` (the device one) over `split`
+        if split is None:
+            return x
+        spec = [None] * x.ndim
+        spec[axis] = split.spec[0]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(split.mesh, P(*spec)))
+
+    def rows(start: Any, size: int) -> Any:  # basis rows `[start, start+size)` of each device
+        index = jnp.arange(d)[:, None] * m + start + jnp.arange(size)[None, :]
+        out = jax.vmap(jax.vmap(one))(constrain(index, 0))  # leaves `(d, size, *leaf)`
+        if not rev:
+            out = jtu.tree_map(lambda r: jnp.moveaxis(r, (0, 1), (-2, -1)), out)
+        return jtu.tree_map(lambda r: constrain(r, lead % r.ndim), out)
+
+    def write(buffer: Any, start: Any, size: int) -> Any:
+        def put(buf: Any, r: Any) -> Any:
+            at = [0] * buf.ndim
+            at[lead % buf.ndim + 1] = start
+            return jax.lax.dynamic_update_slice(buf, r, at)
+
+        return jtu.tree_map(put, buffer, rows(start, size))
+
+    shapes = jax.eval_shape(one, 0)
+
+    def empty(s: Any) -> Any:
+        shape = (d, m, *s.shape) if rev else (*s.shape, d, m)
+        return constrain(jnp.zeros(shape, s.dtype), lead % len(shape))
+
+    buffer = jtu.tree_map(empty, shapes)
+    buffer = jax.lax.fori_loop(0, steps, lambda j, buf: write(buf, j * b, b), buffer)
+    if rem:
+        buffer = write(buffer, steps * b, rem)
+
+    def merge(r: Any) -> Any:  # `(d, m)` -> `padded` along the basis axis
+        if rev:
+            return constrain(r.reshape(padded, *r.shape[2:]), 0)
+        return constrain(r.reshape(*r.shape[:-2], padded), r.ndim - 2)
+
+    return jtu.tree_map(merge, buffer)
 
 
 def _jacobian(
@@ -107,39 +168,22 @@ def _jacobian(
     def one(i: Any) -> Any:
         return push(_one_hots(basis, i))
 
-    if mesh is None:
-        rows = filter_map(one, batch_size=k)(jnp.arange(padded))
-    else:
-        # Device `c` owns basis vectors `[c*m, (c+1)*m)`: map over the rows of the `(m, d)`
-        # index array `[r, c] = c*m + r`, whose columns are split over the devices, so each
-        # step takes `k // d` vectors on every device. On an Auto copy of the mesh: JAX's
-        # sharding types (Explicit axes) do not pass through `linearize`d functions.
+    split = None
+    if mesh is not None:
+        # On an Auto copy of the mesh: JAX's sharding types (Explicit axes) do not pass
+        # through `linearize`d functions.
         auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
-        m = padded // devices
-        index = jnp.arange(padded).reshape(devices, m).T
         split = NamedSharding(auto, P(axes))
+    rows = _pushed(one, padded, k, rev, split, devices)
 
-        def row(i: Any) -> Any:  # constrained here, not outside: `filter_map` reads the
-            # layout of its input and would take the Auto row axis as possibly split
-            return jax.vmap(one)(jax.lax.with_sharding_constraint(i, split))
-
-        rows = filter_map(row, batch_size=k // devices)(index)
-        rows = jtu.tree_map(
-            lambda r: jax.lax.with_sharding_constraint(
-                r.swapaxes(0, 1).reshape(padded, *r.shape[2:]), split
-            ),
-            rows,
-        )
-    if padded != n:
-        rows = jtu.tree_map(lambda r: r[:n], rows)
-
-    # `rows` has the structure of `other`, each leaf `(n, *other_shape)`; cut `n` into the
-    # leaves of `basis`. Reverse mode: out-leaf shape first, then the in-leaf shape; forward
-    # mode: the out-leaf shape first, then the basis (in-leaf) shape last.
+    # `rows` has the structure of `other`, each leaf `(n, *other_shape)` (reverse mode) or
+    # `(*other_shape, n)` (forward mode); cut `n` into the leaves of `basis`. Reverse mode:
+    # out-leaf shape first, then the in-leaf shape; forward mode: the out-leaf shape first,
+    # then the basis (in-leaf) shape last.
     pieces, offset = [], 0
     for b in basis_leaves:
         size = math.prod(b.shape)
-        pieces.append(jtu.tree_map(ft.partial(_cut, offset, b.shape, rev), rows))
+        pieces.append(jtu.tree_map(ft.partial(_cut, offset, b.shape, padded, rev), rows))
         offset += size
     if rev:  # out-tree of in-trees
         return jtu.tree_unflatten(basis_def, pieces), aux
