@@ -1,5 +1,5 @@
-"""`filter_jacfwd`, `filter_jacrev`, `filter_hessian`: Jacobians pushed through
-`filter_map` a chunk of basis vectors at a time, optionally split over a mesh.
+"""`filter_jacfwd`, `filter_jacrev`, `filter_hessian`: Jacobians pushed a chunk of basis
+vectors at a time through one `lax.fori_loop`, optionally split over a mesh.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ def filter_jacrev(
     vectors at a time: a drop-in for `eqx.filter_jacrev` whose memory is bounded.
 
     One forward pass, then `jax.vjp` of each row's basis vector, `batch_size` rows per step
-    of one `jax.lax.scan` (through `filter_map`). Works eagerly, under `jax.jit`, under
+    of one `jax.lax.fori_loop`. Works eagerly, under `jax.jit`, under
     `jax.vmap` (batched Jacobians) and nested (see `filter_hessian`).
 
     **Arguments:**
@@ -291,7 +291,7 @@ def filter_jacrev(
         `(jacobian, aux)`.
     - `batch_size`: how many basis vectors are pushed through `fun` at a time:
         - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.scan`, so memory is that of
+        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
             `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
         - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
             `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
@@ -299,7 +299,8 @@ def filter_jacrev(
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
         - a number of bytes `> 0`.
-        Under `jax.vmap` the budget is for one element of the batch.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
     - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
         part of the Jacobian and the result stays sharded along that dimension (no
         all-gather). `None`: no splitting.
@@ -355,7 +356,7 @@ def filter_jacfwd(
     vectors at a time: a drop-in for `eqx.filter_jacfwd` whose memory is bounded.
 
     One `jax.linearize` of `fun`, then its tangent map applied to `batch_size` input basis
-    vectors per step of one `jax.lax.scan` (through `filter_map`). Works eagerly, under
+    vectors per step of one `jax.lax.fori_loop`. Works eagerly, under
     `jax.jit`, under `jax.vmap` and nested.
 
     **Arguments:**
@@ -366,7 +367,7 @@ def filter_jacfwd(
         `(jacobian, aux)`.
     - `batch_size`: how many basis vectors are pushed through `fun` at a time:
         - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.scan`, so memory is that of
+        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
             `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
         - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
             `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
@@ -374,7 +375,8 @@ def filter_jacfwd(
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
         - a number of bytes `> 0`.
-        Under `jax.vmap` the budget is for one element of the batch.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
     - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
         part of the Jacobian and the result stays sharded along that dimension (no
         all-gather). `None`: no splitting.
@@ -442,7 +444,7 @@ def filter_hessian(
         `(jacobian, aux)`.
     - `batch_size`: how many basis vectors are pushed through `fun` at a time:
         - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.scan`, so memory is that of
+        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
             `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
         - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
             `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
@@ -450,7 +452,8 @@ def filter_hessian(
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
         - a number of bytes `> 0`.
-        Under `jax.vmap` the budget is for one element of the batch.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
     - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
         part of the Jacobian and the result stays sharded along that dimension (no
         all-gather). `None`: no splitting.
