@@ -42,7 +42,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
@@ -178,6 +177,16 @@ def ratio(t, base, width=6):
     return f"{t / base:>{width}.2f}"
 
 
+def error(compiled, t, args, expected):
+    """Largest difference to `expected` (the Jacobian as written), relative to its largest
+    entry; `-` when either was not run."""
+    if t is None or expected is None:
+        return "-"
+    pairs = zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(expected), strict=True)
+    worst = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in pairs)
+    return f"{worst:.1e}"
+
+
 def make_args(T, layers):
     keys = jax.random.split(jax.random.key(0), 8)
     params = {}
@@ -195,7 +204,7 @@ def lambda_table(runner, lengths, layer_counts):
     header = (
         f"{'T':>4} {'L':>2} {'mode':>4} | {'scan ms':>9} {'scan MB':>8} | "
         f"{'cjvp t':>6} {'cjvp m':>6} | {'cj n/8 t':>8} {'cj n/8 m':>8} | "
-        f"{'diag t':>6} {'diag m':>6}"
+        f"{'diag t':>6} {'diag m':>6} | {'cjvp err':>8} {'n/8 err':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -212,11 +221,11 @@ def lambda_table(runner, lengths, layer_counts):
                 expected = c(*args) if t_scan is not None else None
                 c, m_cj = runner.compile(batched(plain(g), pick), args)
                 t_cj = runner.time(c, m_cj, args)
-                if expected is not None and t_cj is not None:
-                    np.testing.assert_allclose(c(*args)["lambda0"], expected["lambda0"], 1e-3, 1e-4)
+                err_cj = error(c, t_cj, args, expected)
                 n = basis_size("lambda", mode, layers, T)
                 c, m_cj8 = runner.compile(batched(ours(g, batch_size=max(1, n // 8)), pick), args)
                 t_cj8 = runner.time(c, m_cj8, args)
+                err_cj8 = error(c, t_cj8, args, expected)
                 diag = "     -      -"
                 if layers == 1:  # the Jacobian of the last layer's lambda is diagonal
 
@@ -232,7 +241,8 @@ def lambda_table(runner, lengths, layer_counts):
                 print(
                     f"{T:>4} {layers:>2} {mode:>4} | {ms(t_scan):>9} {m_scan / 2**20:>8.2f} | "
                     f"{ratio(t_cj, t_scan)} {m_cj / m_scan:>6.3f} | "
-                    f"{ratio(t_cj8, t_scan, 8)} {m_cj8 / m_scan:>8.3f} | {diag}",
+                    f"{ratio(t_cj8, t_scan, 8)} {m_cj8 / m_scan:>8.3f} | {diag} | "
+                    f"{err_cj:>8} {err_cj8:>8}",
                     flush=True,
                 )
     print()
