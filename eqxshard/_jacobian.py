@@ -96,7 +96,7 @@ def _pushed(
     on every device: the buffer is `(devices, m)` along the basis axis, split on the first.
     """
     d, m = devices, padded // devices
-    b = k // d  # per device per step
+    b = max(1, k // d)  # per device per step (no basis vectors: no step)
     steps, rem = divmod(m, b)
     lead = 0 if rev else -2  # where the `(d, m)` basis axes sit in the buffer
 
@@ -129,7 +129,8 @@ def _pushed(
         return constrain(jnp.zeros(shape, s.dtype), lead % len(shape))
 
     buffer = jtu.tree_map(empty, shapes)
-    buffer = jax.lax.fori_loop(0, steps, lambda j, buf: write(buf, j * b, b), buffer)
+    if steps:
+        buffer = jax.lax.fori_loop(0, steps, lambda j, buf: write(buf, j * b, b), buffer)
     if rem:
         buffer = write(buffer, steps * b, rem)
 

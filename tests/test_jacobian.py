@@ -298,3 +298,11 @@ def test_sharded_under_vmap_with_a_remainder(mode):
     xs = jnp.linspace(0, 1, 3 * 40).reshape(3, 40)  # 40 vectors, 5 per device: 2 + 2 + 1
     got = jax.jit(jax.vmap(ours(f, batch_size=16, mesh=_mesh("auto"))))(xs)
     np.testing.assert_allclose(got, jax.vmap(jax_jac(f))(xs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_no_basis_vectors(mode):
+    ours, theirs, _ = JACS[mode]
+    f, x = (lambda x: x[:0], jnp.ones(3)) if mode == "rev" else (lambda x: x.sum() * x, jnp.ones(0))
+    for batch_size in (None, 1, 2):
+        _close(ours(f, batch_size=batch_size)(x), theirs(f)(x))
