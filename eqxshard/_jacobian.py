@@ -13,6 +13,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._budget import AutoBatchSize, check_memory_budget
@@ -59,17 +60,6 @@ def _check_options(
     return tuple(axes)
 
 
-def _cut(offset: int, shape: tuple[int, ...], n: int, rev: bool, rows: Any) -> Any:
-    """The part of `rows` for one basis leaf (of `shape`, from `offset`) as its Jacobian
-    block; `rows` has the basis axis (of size `n`) first (reverse) or last (forward)."""
-    size = math.prod(shape)
-    if rev:  # output (basis) shape first
-        block = rows if (offset, size) == (0, n) else rows[offset : offset + size]
-        return block.reshape(*shape, *rows.shape[1:])
-    block = rows if (offset, size) == (0, n) else rows[..., offset : offset + size]
-    return block.reshape(*rows.shape[:-1], *shape)
-
-
 def _one_hots(tree: Any, i: Any) -> Any:
     """The `i`-th standard basis vector of the space of `tree`'s array leaves, as a tree."""
     leaves, treedef = jtu.tree_flatten(tree)
@@ -83,21 +73,52 @@ def _one_hots(tree: Any, i: Any) -> Any:
 
 
 def _pushed(
-    one: Callable, padded: int, k: int, rev: bool, split: NamedSharding | None, devices: int
-) -> Any:
-    """`one(i)` for every basis index `i < padded`, `k` at a time, as a tree of arrays with
-    the basis axis first (reverse mode) or last (forward mode, Equinox's layout).
+    one: Callable,
+    shapes: list[tuple[int, ...]],
+    batch_size: int | None,
+    rev: bool,
+    split: NamedSharding | None,
+    devices: int,
+) -> list[Any]:
+    """`one(i)` for every basis index `i` (the basis leaves of `shapes`, flattened one after
+    the other), `batch_size` at a time; for each basis leaf, a tree of its Jacobian blocks,
+    the basis leaf's shape first (reverse mode) or last (forward mode, Equinox's layout).
 
     Each chunk is written in place (`dynamic_update_slice`) into a buffer carried through
     one `lax.fori_loop`, not stacked by a `lax.scan`: under `vmap` a scan stacks its chunks
     as `(chunks, batch, k, ...)` and moving the batch first copies the whole Jacobian once
-    more, while the carried buffer keeps the batch axis first. With `split`, device `c` of
-    the `devices` owns indices `[c*m, (c+1)*m)` and each step takes `k // devices` of them
-    on every device: the buffer is `(devices, m)` along the basis axis, split on the first.
+    more, while the carried buffer keeps the batch axis first.
+
+    With `split`, each basis leaf is cut along its first dimension that `devices` divides,
+    device `c` owning the `c`-th block of it, so each leaf's Jacobian comes out split along
+    that dimension with no data moved (a leaf with no such dimension is cut flat, padded
+    with zero vectors, index -1, and may need collectives to be laid out). The buffer's
+    basis axes are `(devices, m)`, split on the first; each step takes
+    `batch_size // devices` of every device's `m` slots.
     """
-    d, m = devices, padded // devices
-    b = max(1, k // d)  # per device per step (no basis vectors: no step)
-    steps, rem = divmod(m, b)
+    d = devices
+    owners, folds = [], []  # per leaf: (d, p) basis indices; `(d, p, ...) -> shape + ...`
+    offset = 0
+    for shape in shapes:
+        z = math.prod(shape)
+        a = next((i for i, n in enumerate(shape) if n % d == 0), None)
+        if a is None or d == 1:
+            p = -(-z // d)
+            owner = np.full(d * p, -1, np.int64)
+            owner[:z] = offset + np.arange(z)
+            owners.append(owner.reshape(d, p))
+            folds.append((None, z, shape))
+        else:
+            cut = (*shape[:a], d, shape[a] // d, *shape[a + 1 :])
+            index = offset + np.arange(z).reshape(cut)
+            owners.append(np.moveaxis(index, a, 0).reshape(d, z // d))
+            folds.append((a, z, shape))
+        offset += z
+    table = np.concatenate(owners, axis=1) if owners else np.zeros((d, 0), np.int64)
+    table = table.astype(np.int32)
+    m = table.shape[1]
+    b = m if batch_size is None else max(1, min(batch_size, d * m) // d)
+    steps, rem = divmod(m, b) if m else (0, 0)
     lead = 0 if rev else -2  # where the `(d, m)` basis axes sit in the buffer
 
     def constrain(x: Any, axis: int) -> Any:  # split axis `axis` (the device one) over `split`
@@ -107,8 +128,8 @@ def _pushed(
         spec[axis] = split.spec[0]
         return jax.lax.with_sharding_constraint(x, NamedSharding(split.mesh, P(*spec)))
 
-    def rows(start: Any, size: int) -> Any:  # basis rows `[start, start+size)` of each device
-        index = jnp.arange(d)[:, None] * m + start + jnp.arange(size)[None, :]
+    def rows(start: Any, size: int) -> Any:  # slots `[start, start+size)` of every device
+        index = jax.lax.dynamic_slice_in_dim(jnp.asarray(table), start, size, axis=1)
         out = jax.vmap(jax.vmap(one))(constrain(index, 0))  # leaves `(d, size, *leaf)`
         if not rev:
             out = jtu.tree_map(lambda r: jnp.moveaxis(r, (0, 1), (-2, -1)), out)
@@ -122,24 +143,39 @@ def _pushed(
 
         return jtu.tree_map(put, buffer, rows(start, size))
 
-    shapes = jax.eval_shape(one, 0)
-
     def empty(s: Any) -> Any:
         shape = (d, m, *s.shape) if rev else (*s.shape, d, m)
         return constrain(jnp.zeros(shape, s.dtype), lead % len(shape))
 
-    buffer = jtu.tree_map(empty, shapes)
+    buffer = jtu.tree_map(empty, jax.eval_shape(one, 0))
     if steps:
         buffer = jax.lax.fori_loop(0, steps, lambda j, buf: write(buf, j * b, b), buffer)
     if rem:
         buffer = write(buffer, steps * b, rem)
 
-    def merge(r: Any) -> Any:  # `(d, m)` -> `padded` along the basis axis
-        if rev:
-            return constrain(r.reshape(padded, *r.shape[2:]), 0)
-        return constrain(r.reshape(*r.shape[:-2], padded), r.ndim - 2)
+    def block(fold: tuple, slot: int, p: int, r: Any) -> Any:
+        """One basis leaf's slots `[slot, slot+p)` of every device, as its Jacobian block."""
+        a, z, shape = fold
+        at = 0 if rev else r.ndim - 2  # where the `(d, m)` basis axes are
+        if (slot, p) != (0, m):
+            r = jax.lax.slice_in_dim(r, slot, slot + p, axis=at + 1)
+        before, after = r.shape[:at], r.shape[at + 2 :]
+        if a is None:
+            r = constrain(r.reshape(*before, d * p, *after), at)
+            if d * p != z:
+                r = jax.lax.slice_in_dim(r, 0, z, axis=at)
+            return r.reshape(*before, *shape, *after)
+        # `(d, *shape[:a], shape[a] // d, ...)` at `at`: put `d` back in front of its block
+        r = r.reshape(*before, d, *shape[:a], shape[a] // d, *shape[a + 1 :], *after)
+        r = jnp.moveaxis(r, at, at + a).reshape(*before, *shape, *after)
+        return constrain(r, at + a)
 
-    return jtu.tree_map(merge, buffer)
+    pieces, slot = [], 0
+    for fold, owner in zip(folds, owners, strict=True):
+        p = owner.shape[1]
+        pieces.append(jtu.tree_map(ft.partial(block, fold, slot, p), buffer))
+        slot += p
+    return pieces
 
 
 def _jacobian(
@@ -161,10 +197,7 @@ def _jacobian(
         out, push, aux = jax.linearize(fun, diff_x, has_aux=True)
         basis, other = diff_x, out
     basis_leaves, basis_def = jtu.tree_flatten(basis)
-    n = sum(math.prod(x.shape) for x in basis_leaves)
     devices = 1 if mesh is None else math.prod(mesh.shape[a] for a in axes)
-    padded = -(-n // devices) * devices
-    k = padded if batch_size is None else min(batch_size, padded)
 
     def one(i: Any) -> Any:
         return push(_one_hots(basis, i))
@@ -175,17 +208,11 @@ def _jacobian(
         # through `linearize`d functions.
         auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
         split = NamedSharding(auto, P(axes))
-    rows = _pushed(one, padded, k, rev, split, devices)
-
-    # `rows` has the structure of `other`, each leaf `(n, *other_shape)` (reverse mode) or
-    # `(*other_shape, n)` (forward mode); cut `n` into the leaves of `basis`. Reverse mode:
-    # out-leaf shape first, then the in-leaf shape; forward mode: the out-leaf shape first,
-    # then the basis (in-leaf) shape last.
-    pieces, offset = [], 0
-    for b in basis_leaves:
-        size = math.prod(b.shape)
-        pieces.append(jtu.tree_map(ft.partial(_cut, offset, b.shape, padded, rev), rows))
-        offset += size
+    shapes = [tuple(b.shape) for b in basis_leaves]
+    # For each basis leaf, a tree of the structure of `other` of its blocks. Reverse mode:
+    # out-leaf (basis) shape first, then the in-leaf shape; forward mode: the out-leaf shape
+    # first, then the basis (in-leaf) shape last.
+    pieces = _pushed(one, shapes, batch_size, rev, split, devices)
     if rev:  # out-tree of in-trees
         return jtu.tree_unflatten(basis_def, pieces), aux
     other_leaves, other_def = jtu.tree_flatten(other)

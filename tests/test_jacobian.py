@@ -306,3 +306,29 @@ def test_no_basis_vectors(mode):
     f, x = (lambda x: x[:0], jnp.ones(3)) if mode == "rev" else (lambda x: x.sum() * x, jnp.ones(0))
     for batch_size in (None, 1, 2):
         _close(ours(f, batch_size=batch_size)(x), theirs(f)(x))
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_sharded_tree_of_leaves_each_split_along_its_own_dimension(mode):
+    # Each basis leaf is cut along its first dimension that 8 divides (dim 1 of `a`), so
+    # nothing is gathered, as it was when the flattened basis was cut in 8 across leaves.
+    ours, theirs, _ = JACS[mode]
+    big = {"a": jnp.linspace(0, 1, 32).reshape(2, 16), "b": jnp.linspace(1, 2, 16)}
+    small = jnp.linspace(0, 1, 3)
+
+    def f(x):
+        if mode == "rev":  # the basis is the output
+            return {"a": jnp.sin(x[0] * big["a"]), "b": jnp.cos(x[1:].sum() * big["b"])}
+        return jnp.tanh(x["a"].sum(0) @ x["b"] * small)
+
+    x = small if mode == "rev" else big
+    jac = jax.jit(ours(f, batch_size=16, mesh=_mesh("auto")))
+    got = jac(x)
+    _close(got, theirs(f)(x))
+    assert not any(
+        op in jac.lower(x).compile().as_text()
+        for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+    )
+    a = got["a"]
+    axis = 1 if mode == "rev" else 2  # `a`'s dim 1 among the Jacobian's dimensions
+    assert a.sharding.shard_shape(a.shape)[axis] == a.shape[axis] // 8
