@@ -329,9 +329,11 @@ def filter_jacrev(
         - a number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
-        part of the Jacobian and the result stays sharded along that dimension (no
-        all-gather). `None`: no splitting.
+    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
+        its first dimension that the number of devices divides, each device computes its
+        own block of the Jacobian, and the result stays split along that dimension (no
+        collectives; a leaf with no such dimension is cut flat and padded, and laying it
+        out may take some). `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -405,9 +407,11 @@ def filter_jacfwd(
         - a number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
-        part of the Jacobian and the result stays sharded along that dimension (no
-        all-gather). `None`: no splitting.
+    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
+        its first dimension that the number of devices divides, each device computes its
+        own block of the Jacobian, and the result stays split along that dimension (no
+        collectives; a leaf with no such dimension is cut flat and padded, and laying it
+        out may take some). `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -482,9 +486,11 @@ def filter_hessian(
         - a number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
-        part of the Jacobian and the result stays sharded along that dimension (no
-        all-gather). `None`: no splitting.
+    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
+        its first dimension that the number of devices divides, each device computes its
+        own block of the Jacobian, and the result stays split along that dimension (no
+        collectives; a leaf with no such dimension is cut flat and padded, and laying it
+        out may take some). `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
