@@ -85,6 +85,28 @@ def _key(x: Any) -> Hashable:
     return x
 
 
+def batched_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[int | None, ...]] | None:
+    """Under `jax.vmap`: each leaf as the batched program sees it, and its batch axis
+    (`None`: not batched). `None` when no leaf is batched, or when the leaves are batched by
+    different (nested) `vmap`s, whose combined program is not rebuilt here.
+
+    Reads the `val` and `batch_dim` of JAX's batching tracers (and their `_trace`, to tell
+    nested `vmap`s apart): private attributes, so anything unexpected gives `None`.
+    """
+    found, traces = [], set()
+    for x in leaves:
+        dim = getattr(x, "batch_dim", None) if is_tracer(x) else None
+        val = getattr(x, "val", None) if is_tracer(x) else None
+        if not isinstance(dim, int) or isinstance(dim, bool) or not hasattr(val, "shape"):
+            found.append((x, None))
+            continue
+        traces.add(id(getattr(x, "_trace", None)))
+        found.append((val, dim))
+    if len(traces) != 1:
+        return None
+    return [v for v, _ in found], tuple(d for _, d in found)
+
+
 class AutoBatchSize:
     """Finds and caches, per input shapes and statics, the largest fitting chunk size."""
 
@@ -95,28 +117,35 @@ class AutoBatchSize:
 
     def __call__(self, run: Callable[[int, Any], Any], args: Any, n: int, step: int = 1) -> int:
         """The largest `k` (a multiple of `step`, at most `n` rounded up to `step`) such that
-        `run(k, args)` compiles to temporaries within the budget.
+        `run(k, args)` compiles to temporaries within the budget. Under `jax.vmap` the
+        program measured is the vmapped one (what `jit(vmap(...))` compiles).
         """
         dynamic, static = eqx.partition(args, eqx.is_array)
         leaves, treedef = jtu.tree_flatten(dynamic)
         static_leaves, static_def = jtu.tree_flatten(static)
         budget = resolve_budget(self.memory_budget, self.name)
+        batched = batched_leaves(leaves)
+        vals, dims = batched if batched is not None else (leaves, (None,) * len(leaves))
         key = (
             treedef,
             static_def,
             tuple(_key(s) for s in static_leaves),
-            tuple(
-                (x.shape, x.dtype, _key(getattr(_abstract(x), "sharding", None))) for x in leaves
-            ),
+            tuple((x.shape, x.dtype, _key(getattr(_abstract(x), "sharding", None))) for x in vals),
+            dims,
             n,
             step,
             budget,
         )
         if key not in self.cache:
-            abstract = jtu.tree_map(_abstract, dynamic)
+            abstract = [_abstract(x) for x in vals]
 
             def measure(k: int) -> int:
-                return temp_bytes(lambda d: run(k, eqx.combine(d, static)), abstract)
+                def program(*ls: Any) -> Any:
+                    return run(k, eqx.combine(jtu.tree_unflatten(treedef, ls), static))
+
+                if batched is not None:
+                    program = jax.vmap(program, in_axes=dims)
+                return temp_bytes(program, *abstract)
 
             self.cache[key] = largest_fitting(measure, n, budget, step, self.name)
         return self.cache[key]

@@ -1,5 +1,5 @@
-"""`filter_jacfwd`, `filter_jacrev`, `filter_hessian`: Jacobians pushed through
-`filter_map` a chunk of basis vectors at a time, optionally split over a mesh.
+"""`filter_jacfwd`, `filter_jacrev`, `filter_hessian`: Jacobians pushed a chunk of basis
+vectors at a time through one `lax.fori_loop`, optionally split over a mesh.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from ._budget import AutoBatchSize, check_memory_budget
-from ._map import filter_map
 from ._mapping import check_batch_size
 
 
@@ -60,14 +60,6 @@ def _check_options(
     return tuple(axes)
 
 
-def _cut(offset: int, shape: tuple[int, ...], rev: bool, rows: Any) -> Any:
-    """The rows of one basis leaf (of `shape`, from `offset`) as its Jacobian block."""
-    block = rows[offset : offset + math.prod(shape)]
-    if rev:  # output (basis) shape first
-        return block.reshape(*shape, *rows.shape[1:])
-    return jnp.moveaxis(block, 0, -1).reshape(*rows.shape[1:], *shape)
-
-
 def _one_hots(tree: Any, i: Any) -> Any:
     """The `i`-th standard basis vector of the space of `tree`'s array leaves, as a tree."""
     leaves, treedef = jtu.tree_flatten(tree)
@@ -78,6 +70,112 @@ def _one_hots(tree: Any, i: Any) -> Any:
         out.append(hot.astype(x.dtype).reshape(x.shape))
         offset += size
     return jtu.tree_unflatten(treedef, out)
+
+
+def _pushed(
+    one: Callable,
+    shapes: list[tuple[int, ...]],
+    batch_size: int | None,
+    rev: bool,
+    split: NamedSharding | None,
+    devices: int,
+) -> list[Any]:
+    """`one(i)` for every basis index `i` (the basis leaves of `shapes`, flattened one after
+    the other), `batch_size` at a time; for each basis leaf, a tree of its Jacobian blocks,
+    the basis leaf's shape first (reverse mode) or last (forward mode, Equinox's layout).
+
+    Each chunk is written in place (`dynamic_update_slice`) into a buffer carried through
+    one `lax.fori_loop`, not stacked by a `lax.scan`: under `vmap` a scan stacks its chunks
+    as `(chunks, batch, k, ...)` and moving the batch first copies the whole Jacobian once
+    more, while the carried buffer keeps the batch axis first.
+
+    With `split`, each basis leaf is cut along its first dimension that `devices` divides,
+    device `c` owning the `c`-th block of it, so each leaf's Jacobian comes out split along
+    that dimension with no data moved (a leaf with no such dimension is cut flat, padded
+    with zero vectors, index -1, and may need collectives to be laid out). The buffer's
+    basis axes are `(devices, m)`, split on the first; each step takes
+    `batch_size // devices` of every device's `m` slots.
+    """
+    d = devices
+    owners, folds = [], []  # per leaf: (d, p) basis indices; `(d, p, ...) -> shape + ...`
+    offset = 0
+    for shape in shapes:
+        z = math.prod(shape)
+        a = next((i for i, n in enumerate(shape) if n % d == 0), None)
+        if a is None or d == 1:
+            p = -(-z // d)
+            owner = np.full(d * p, -1, np.int64)
+            owner[:z] = offset + np.arange(z)
+            owners.append(owner.reshape(d, p))
+            folds.append((None, z, shape))
+        else:
+            cut = (*shape[:a], d, shape[a] // d, *shape[a + 1 :])
+            index = offset + np.arange(z).reshape(cut)
+            owners.append(np.moveaxis(index, a, 0).reshape(d, z // d))
+            folds.append((a, z, shape))
+        offset += z
+    table = np.concatenate(owners, axis=1) if owners else np.zeros((d, 0), np.int64)
+    table = table.astype(np.int32)
+    m = table.shape[1]
+    b = m if batch_size is None else max(1, min(batch_size, d * m) // d)
+    steps, rem = divmod(m, b) if m else (0, 0)
+    lead = 0 if rev else -2  # where the `(d, m)` basis axes sit in the buffer
+
+    def constrain(x: Any, axis: int) -> Any:  # split axis `axis` (the device one) over `split`
+        if split is None:
+            return x
+        spec = [None] * x.ndim
+        spec[axis] = split.spec[0]
+        return jax.lax.with_sharding_constraint(x, NamedSharding(split.mesh, P(*spec)))
+
+    def rows(start: Any, size: int) -> Any:  # slots `[start, start+size)` of every device
+        index = jax.lax.dynamic_slice_in_dim(jnp.asarray(table), start, size, axis=1)
+        out = jax.vmap(jax.vmap(one))(constrain(index, 0))  # leaves `(d, size, *leaf)`
+        if not rev:
+            out = jtu.tree_map(lambda r: jnp.moveaxis(r, (0, 1), (-2, -1)), out)
+        return jtu.tree_map(lambda r: constrain(r, lead % r.ndim), out)
+
+    def write(buffer: Any, start: Any, size: int) -> Any:
+        def put(buf: Any, r: Any) -> Any:
+            at = [0] * buf.ndim
+            at[lead % buf.ndim + 1] = start
+            return jax.lax.dynamic_update_slice(buf, r, at)
+
+        return jtu.tree_map(put, buffer, rows(start, size))
+
+    def empty(s: Any) -> Any:
+        shape = (d, m, *s.shape) if rev else (*s.shape, d, m)
+        return constrain(jnp.zeros(shape, s.dtype), lead % len(shape))
+
+    buffer = jtu.tree_map(empty, jax.eval_shape(one, 0))
+    if steps:
+        buffer = jax.lax.fori_loop(0, steps, lambda j, buf: write(buf, j * b, b), buffer)
+    if rem:
+        buffer = write(buffer, steps * b, rem)
+
+    def block(fold: tuple, slot: int, p: int, r: Any) -> Any:
+        """One basis leaf's slots `[slot, slot+p)` of every device, as its Jacobian block."""
+        a, z, shape = fold
+        at = 0 if rev else r.ndim - 2  # where the `(d, m)` basis axes are
+        if (slot, p) != (0, m):
+            r = jax.lax.slice_in_dim(r, slot, slot + p, axis=at + 1)
+        before, after = r.shape[:at], r.shape[at + 2 :]
+        if a is None:
+            r = constrain(r.reshape(*before, d * p, *after), at)
+            if d * p != z:
+                r = jax.lax.slice_in_dim(r, 0, z, axis=at)
+            return r.reshape(*before, *shape, *after)
+        # `(d, *shape[:a], shape[a] // d, ...)` at `at`: put `d` back in front of its block
+        r = r.reshape(*before, d, *shape[:a], shape[a] // d, *shape[a + 1 :], *after)
+        r = jnp.moveaxis(r, at, at + a).reshape(*before, *shape, *after)
+        return constrain(r, at + a)
+
+    pieces, slot = [], 0
+    for fold, owner in zip(folds, owners, strict=True):
+        p = owner.shape[1]
+        pieces.append(jtu.tree_map(ft.partial(block, fold, slot, p), buffer))
+        slot += p
+    return pieces
 
 
 def _jacobian(
@@ -99,48 +197,22 @@ def _jacobian(
         out, push, aux = jax.linearize(fun, diff_x, has_aux=True)
         basis, other = diff_x, out
     basis_leaves, basis_def = jtu.tree_flatten(basis)
-    n = sum(math.prod(x.shape) for x in basis_leaves)
     devices = 1 if mesh is None else math.prod(mesh.shape[a] for a in axes)
-    padded = -(-n // devices) * devices
-    k = padded if batch_size is None else min(batch_size, padded)
 
     def one(i: Any) -> Any:
         return push(_one_hots(basis, i))
 
-    if mesh is None:
-        rows = filter_map(one, batch_size=k)(jnp.arange(padded))
-    else:
-        # Device `c` owns basis vectors `[c*m, (c+1)*m)`: map over the rows of the `(m, d)`
-        # index array `[r, c] = c*m + r`, whose columns are split over the devices, so each
-        # step takes `k // d` vectors on every device. On an Auto copy of the mesh: JAX's
-        # sharding types (Explicit axes) do not pass through `linearize`d functions.
+    split = None
+    if mesh is not None:
+        # On an Auto copy of the mesh: JAX's sharding types (Explicit axes) do not pass
+        # through `linearize`d functions.
         auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
-        m = padded // devices
-        index = jnp.arange(padded).reshape(devices, m).T
         split = NamedSharding(auto, P(axes))
-
-        def row(i: Any) -> Any:  # constrained here, not outside: `filter_map` reads the
-            # layout of its input and would take the Auto row axis as possibly split
-            return jax.vmap(one)(jax.lax.with_sharding_constraint(i, split))
-
-        rows = filter_map(row, batch_size=k // devices)(index)
-        rows = jtu.tree_map(
-            lambda r: jax.lax.with_sharding_constraint(
-                r.swapaxes(0, 1).reshape(padded, *r.shape[2:]), split
-            ),
-            rows,
-        )
-    if padded != n:
-        rows = jtu.tree_map(lambda r: r[:n], rows)
-
-    # `rows` has the structure of `other`, each leaf `(n, *other_shape)`; cut `n` into the
-    # leaves of `basis`. Reverse mode: out-leaf shape first, then the in-leaf shape; forward
-    # mode: the out-leaf shape first, then the basis (in-leaf) shape last.
-    pieces, offset = [], 0
-    for b in basis_leaves:
-        size = math.prod(b.shape)
-        pieces.append(jtu.tree_map(ft.partial(_cut, offset, b.shape, rev), rows))
-        offset += size
+    shapes = [tuple(b.shape) for b in basis_leaves]
+    # For each basis leaf, a tree of the structure of `other` of its blocks. Reverse mode:
+    # out-leaf (basis) shape first, then the in-leaf shape; forward mode: the out-leaf shape
+    # first, then the basis (in-leaf) shape last.
+    pieces = _pushed(one, shapes, batch_size, rev, split, devices)
     if rev:  # out-tree of in-trees
         return jtu.tree_unflatten(basis_def, pieces), aux
     other_leaves, other_def = jtu.tree_flatten(other)
@@ -236,7 +308,7 @@ def filter_jacrev(
     vectors at a time: a drop-in for `eqx.filter_jacrev` whose memory is bounded.
 
     One forward pass, then `jax.vjp` of each row's basis vector, `batch_size` rows per step
-    of one `jax.lax.scan` (through `filter_map`). Works eagerly, under `jax.jit`, under
+    of one `jax.lax.fori_loop`. Works eagerly, under `jax.jit`, under
     `jax.vmap` (batched Jacobians) and nested (see `filter_hessian`).
 
     **Arguments:**
@@ -247,7 +319,7 @@ def filter_jacrev(
         `(jacobian, aux)`.
     - `batch_size`: how many basis vectors are pushed through `fun` at a time:
         - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.scan`, so memory is that of
+        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
             `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
         - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
             `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
@@ -255,10 +327,13 @@ def filter_jacrev(
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
         - a number of bytes `> 0`.
-        Under `jax.vmap` the budget is for one element of the batch.
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
-        part of the Jacobian and the result stays sharded along that dimension (no
-        all-gather). `None`: no splitting.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
+    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
+        its first dimension that the number of devices divides, each device computes its
+        own block of the Jacobian, and the result stays split along that dimension (no
+        collectives; a leaf with no such dimension is cut flat and padded, and laying it
+        out may take some). `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -311,7 +386,7 @@ def filter_jacfwd(
     vectors at a time: a drop-in for `eqx.filter_jacfwd` whose memory is bounded.
 
     One `jax.linearize` of `fun`, then its tangent map applied to `batch_size` input basis
-    vectors per step of one `jax.lax.scan` (through `filter_map`). Works eagerly, under
+    vectors per step of one `jax.lax.fori_loop`. Works eagerly, under
     `jax.jit`, under `jax.vmap` and nested.
 
     **Arguments:**
@@ -322,7 +397,7 @@ def filter_jacfwd(
         `(jacobian, aux)`.
     - `batch_size`: how many basis vectors are pushed through `fun` at a time:
         - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.scan`, so memory is that of
+        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
             `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
         - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
             `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
@@ -330,10 +405,13 @@ def filter_jacfwd(
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
         - a number of bytes `> 0`.
-        Under `jax.vmap` the budget is for one element of the batch.
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
-        part of the Jacobian and the result stays sharded along that dimension (no
-        all-gather). `None`: no splitting.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
+    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
+        its first dimension that the number of devices divides, each device computes its
+        own block of the Jacobian, and the result stays split along that dimension (no
+        collectives; a leaf with no such dimension is cut flat and padded, and laying it
+        out may take some). `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -398,7 +476,7 @@ def filter_hessian(
         `(jacobian, aux)`.
     - `batch_size`: how many basis vectors are pushed through `fun` at a time:
         - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.scan`, so memory is that of
+        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
             `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
         - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
             `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
@@ -406,10 +484,13 @@ def filter_hessian(
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
         - a number of bytes `> 0`.
-        Under `jax.vmap` the budget is for one element of the batch.
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each device computes its own
-        part of the Jacobian and the result stays sharded along that dimension (no
-        all-gather). `None`: no splitting.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
+    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
+        its first dimension that the number of devices divides, each device computes its
+        own block of the Jacobian, and the result stays split along that dimension (no
+        collectives; a leaf with no such dimension is cut flat and padded, and laying it
+        out may take some). `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**

@@ -298,6 +298,8 @@ def filter_map(
         - `None`: half of the device memory that `device.memory_stats()` reports (CPU
             reports none: pass a number there);
         - a number of bytes `> 0`.
+        Under `jax.vmap` the budget is for the whole batch: the search measures the
+        vmapped program (of the innermost `vmap`, when they are nested).
 
     **Returns:**
 

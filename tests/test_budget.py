@@ -96,3 +96,31 @@ def test_filter_map_auto_under_jit_and_as_decorator():
         return jnp.sin(row) * 2
 
     np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
+
+
+def test_batched_leaves_reads_one_vmap_and_gives_up_on_two():
+    seen = []
+
+    def record(*leaves):
+        seen.append(_budget.batched_leaves(list(leaves)))
+        return leaves[0]
+
+    x, y = jnp.ones((3, 5)), jnp.ones(4)
+    jax.jit(jax.vmap(record, (1, None)))(x, y)
+    vals, dims = seen.pop()
+    assert [v.shape for v in vals] == [(3, 5), (4,)] and dims == (1, None)
+    record(x, y)
+    assert seen.pop() is None  # not under vmap
+    jax.vmap(lambda a: jax.vmap(lambda b: record(a, b))(x))(x)  # two vmaps, one leaf each
+    assert seen.pop() is None
+    jax.vmap(jax.vmap(record))(x[:, :, None], x[:, :, None])  # both leaves by the inner one
+    vals, dims = seen.pop()
+    assert [v.shape for v in vals] == [(5, 1)] * 2 and dims == (0, 0)
+
+
+def test_filter_map_auto_under_nested_vmap():
+    f = eqxshard.filter_map(lambda r: jnp.sin(r) * 2, batch_size="auto", memory_budget=2**30)
+    x = jax.random.normal(jax.random.key(2), (2, 3, 6, 4))
+    np.testing.assert_allclose(jax.vmap(jax.vmap(f))(x), jnp.sin(x) * 2, rtol=1e-6)
+    got = jax.vmap(lambda a: jax.vmap(lambda b: f(a) + f(b))(x[0]))(x[1])  # two vmaps
+    np.testing.assert_allclose(got, 2 * jnp.sin(x[1][:, None]) + 2 * jnp.sin(x[0]), rtol=1e-6)

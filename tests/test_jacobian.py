@@ -252,3 +252,83 @@ def test_auto_errors_name_the_smallest_footprint():
         jac(x)
     with pytest.raises(ValueError, match="memory_budget"):
         eqxshard.filter_jacfwd(f, batch_size="auto")(x)  # CPU reports no memory size
+
+
+_W = jax.random.normal(jax.random.key(2), (32, 32)) / 4
+
+
+def _net(w, x):  # (32, 32) -> (32,): a batch of 16 `x` gives 16 Jacobians of 128 KiB
+    for _ in range(2):
+        x = jnp.tanh(w @ x)
+    return x
+
+
+def _batched_temps(jac):
+    return _temps(jax.vmap(jac, (None, 0)), _W, jnp.ones((16, 32)))
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_batched_chunks_are_written_in_place(mode):
+    # Under `vmap` a `lax.scan` would stack the chunks as (chunks, batch, k, ...) and move
+    # the batch first: a second copy of the whole batched Jacobian (2 MiB here).
+    ours = JACS[mode][0]
+    n = 32 if mode == "rev" else 32 * 32
+    full, eighth = (_batched_temps(ours(_net, batch_size=k)) for k in (None, n // 8))
+    if mode == "rev":  # the Jacobian is the output; a pass is small next to it
+        assert eighth <= 16 * 32**3 * 4 / 8, (eighth, full)
+    else:
+        assert eighth <= full / 4, (eighth, full)
+
+
+def test_auto_under_vmap_budgets_the_batched_program():
+    budget = _batched_temps(eqxshard.filter_jacrev(_net, batch_size=8))
+    jac = eqxshard.filter_jacrev(_net, batch_size="auto", memory_budget=budget)
+    assert _batched_temps(jac) <= budget  # not one element's temporaries: the batch's
+    (k,) = jac.auto.cache.values()
+    assert _batched_temps(eqxshard.filter_jacrev(_net, batch_size=k + 1)) > budget
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_sharded_under_vmap_with_a_remainder(mode):
+    ours, _, jax_jac = JACS[mode]
+
+    def f(x):
+        return jnp.cumsum(jnp.sin(x)) * 2
+
+    xs = jnp.linspace(0, 1, 3 * 40).reshape(3, 40)  # 40 vectors, 5 per device: 2 + 2 + 1
+    got = jax.jit(jax.vmap(ours(f, batch_size=16, mesh=_mesh("auto"))))(xs)
+    np.testing.assert_allclose(got, jax.vmap(jax_jac(f))(xs), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_no_basis_vectors(mode):
+    ours, theirs, _ = JACS[mode]
+    f, x = (lambda x: x[:0], jnp.ones(3)) if mode == "rev" else (lambda x: x.sum() * x, jnp.ones(0))
+    for batch_size in (None, 1, 2):
+        _close(ours(f, batch_size=batch_size)(x), theirs(f)(x))
+
+
+@pytest.mark.parametrize("mode", ["rev", "fwd"])
+def test_sharded_tree_of_leaves_each_split_along_its_own_dimension(mode):
+    # Each basis leaf is cut along its first dimension that 8 divides (dim 1 of `a`), so
+    # nothing is gathered, as it was when the flattened basis was cut in 8 across leaves.
+    ours, theirs, _ = JACS[mode]
+    big = {"a": jnp.linspace(0, 1, 32).reshape(2, 16), "b": jnp.linspace(1, 2, 16)}
+    small = jnp.linspace(0, 1, 3)
+
+    def f(x):
+        if mode == "rev":  # the basis is the output
+            return {"a": jnp.sin(x[0] * big["a"]), "b": jnp.cos(x[1:].sum() * big["b"])}
+        return jnp.tanh(x["a"].sum(0) @ x["b"] * small)
+
+    x = small if mode == "rev" else big
+    jac = jax.jit(ours(f, batch_size=16, mesh=_mesh("auto")))
+    got = jac(x)
+    _close(got, theirs(f)(x))
+    assert not any(
+        op in jac.lower(x).compile().as_text()
+        for op in ("all-gather", "all-reduce", "all-to-all", "collective-permute")
+    )
+    a = got["a"]
+    axis = 1 if mode == "rev" else 2  # `a`'s dim 1 among the Jacobian's dimensions
+    assert a.sharding.shard_shape(a.shape)[axis] == a.shape[axis] // 8
