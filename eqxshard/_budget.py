@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._compat import is_tracer
+from ._compat import batched_leaves, is_tracer
 
 # Without `memory_budget=`, this fraction of the device's `bytes_limit` is the budget: the
 # rest is left for the inputs, the outputs and whatever else lives on the device.
@@ -83,28 +83,6 @@ def _key(x: Any) -> Hashable:
     except TypeError:
         return ("id", id(x))
     return x
-
-
-def batched_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[int | None, ...]] | None:
-    """Under `jax.vmap`: each leaf as the batched program sees it, and its batch axis
-    (`None`: not batched). `None` when no leaf is batched, or when the leaves are batched by
-    different (nested) `vmap`s, whose combined program is not rebuilt here.
-
-    Reads the `val` and `batch_dim` of JAX's batching tracers (and their `_trace`, to tell
-    nested `vmap`s apart): private attributes, so anything unexpected gives `None`.
-    """
-    found, traces = [], set()
-    for x in leaves:
-        dim = getattr(x, "batch_dim", None) if is_tracer(x) else None
-        val = getattr(x, "val", None) if is_tracer(x) else None
-        if not isinstance(dim, int) or isinstance(dim, bool) or not hasattr(val, "shape"):
-            found.append((x, None))
-            continue
-        traces.add(id(getattr(x, "_trace", None)))
-        found.append((val, dim))
-    if len(traces) != 1:
-        return None
-    return [v for v, _ in found], tuple(d for _, d in found)
 
 
 class AutoBatchSize:

@@ -313,3 +313,25 @@ def is_ref(x: Any) -> bool:
     if _Ref is not None and isinstance(x, _Ref):
         return True
     return _AbstractRef is not None and isinstance(getattr(x, "aval", None), _AbstractRef)
+
+
+def batched_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[int | None, ...]] | None:
+    """Under `jax.vmap`: each leaf as the batched program sees it, and its batch axis
+    (`None`: not batched). `None` when no leaf is batched, or when the leaves are batched by
+    different (nested) `vmap`s, whose combined program is not rebuilt here.
+
+    Reads the `val` and `batch_dim` of JAX's batching tracers (and their `_trace`, to tell
+    nested `vmap`s apart): private attributes, so anything unexpected gives `None`.
+    """
+    found, traces = [], set()
+    for x in leaves:
+        dim = getattr(x, "batch_dim", None) if is_tracer(x) else None
+        val = getattr(x, "val", None) if is_tracer(x) else None
+        if not isinstance(dim, int) or isinstance(dim, bool) or not hasattr(val, "shape"):
+            found.append((x, None))
+            continue
+        traces.add(id(getattr(x, "_trace", None)))
+        found.append((val, dim))
+    if len(traces) != 1:
+        return None
+    return [v for v, _ in found], tuple(d for _, d in found)
