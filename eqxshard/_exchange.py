@@ -66,7 +66,12 @@ def _client() -> Any:
     except ImportError:  # pragma: no cover - a JAX that moved it
         return None
     client = getattr(distributed.global_state, "client", None)
-    needed = ("key_value_set_bytes", "wait_at_barrier", "key_value_dir_get_bytes")
+    needed = (
+        "key_value_set_bytes",
+        "wait_at_barrier",
+        "key_value_dir_get_bytes",
+        "key_value_delete",
+    )
     return client if all(hasattr(client, m) for m in needed) else None
 
 
