@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eqxshard._map import filter_map
-from eqxshard._stream import filter_stream
+from eqxshard import filter_map, filter_stream
 
 N, SIZE, BATCH, LAYERS = 500, 100, 20, 5
 

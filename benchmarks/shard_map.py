@@ -29,7 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from eqxshard._shard_map import filter_shard_map  # noqa: E402
+from eqxshard import filter_shard_map  # noqa: E402
 
 N_DEV = 8
 

@@ -2,36 +2,40 @@
 
 import importlib.metadata
 
-from ._checkpoint import (
+from ._checkpoint.restore import filter_restore as filter_restore
+from ._checkpoint.save import (
     AsyncSave as AsyncSave,
     filter_save as filter_save,
     latest_step as latest_step,
 )
-from ._describe import LeafRow as LeafRow, ShardingTable as ShardingTable, describe as describe
-from ._fsdp import fsdp as fsdp
-from ._get import filter_get as filter_get
-from ._initialize import initialize as initialize
-from ._jacobian import (
+from ._mapping.jacobian import (
     filter_hessian as filter_hessian,
     filter_jacfwd as filter_jacfwd,
     filter_jacrev as filter_jacrev,
 )
-from ._like import like as like
-from ._logical import logical as logical
-from ._map import filter_map as filter_map
-from ._plan import filter_init as filter_init, filter_plan as filter_plan
-from ._put import filter_put as filter_put
-from ._restore import filter_restore as filter_restore
-from ._rules import (
+from ._mapping.map import filter_map as filter_map
+from ._mapping.stream import filter_stream as filter_stream
+from ._placement.get import filter_get as filter_get
+from ._placement.put import filter_put as filter_put
+from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard
+from ._plans.describe import (
+    LeafRow as LeafRow,
+    ShardingTable as ShardingTable,
+    describe as describe,
+)
+from ._plans.fsdp import fsdp as fsdp
+from ._plans.like import like as like
+from ._plans.logical import logical as logical
+from ._plans.plan import filter_init as filter_init, filter_plan as filter_plan
+from ._plans.rules import (
     NO_MATCH as NO_MATCH,
     Rule as Rule,
     dotted_path as dotted_path,
     first as first,
     path_rules as path_rules,
 )
-from ._setup import SetupReport as SetupReport, check_setup as check_setup
-from ._shard import filter_replicate as filter_replicate, filter_shard as filter_shard
-from ._shard_map import filter_shard_map as filter_shard_map
-from ._stream import filter_stream as filter_stream
+from ._processes.initialize import initialize as initialize
+from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
+from ._shard_map.shard_map import filter_shard_map as filter_shard_map
 
 __version__ = importlib.metadata.version("eqxshard")

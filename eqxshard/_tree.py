@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 
 Path = tuple[Any, ...]
+
+# A verb that returns its input's structure is typed `(tree: T, ...) -> T`, so that
+# `filter_shard(model, mesh)` keeps `model`'s type for pyright and mypy users.
+T = TypeVar("T")
+
+
+def is_array_like(x: Any) -> bool:
+    """An array leaf of a concrete or abstract tree (`jax.ShapeDtypeStruct` included)."""
+    return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
 def pathstr(path: Path) -> str:
@@ -108,3 +117,22 @@ def leaf_error(header: str, rows: Sequence[tuple[str, ...]], fix: str) -> str:
 
 def shape_str(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units: `512 B`, `1.5 KiB`, `2.0 GiB`."""
+    if n < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def device_name(device: Any) -> str:
+    """A device as tables name it (`cpu:3`); an int is a position of an abstract mesh."""
+    if isinstance(device, int):  # a position of an abstract mesh
+        return f"device {device}"
+    return f"{device.platform}:{device.id}"

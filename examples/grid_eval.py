@@ -29,8 +29,6 @@ import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
-from eqxshard._map import filter_map  # noqa: E402
-from eqxshard._stream import filter_stream  # noqa: E402
 
 BUDGET_MB = 32  # pretend the device has this much room for temporaries
 SIDE = 512
@@ -60,7 +58,7 @@ def main() -> None:
     batch_size = len(points)
     while True:
         batch_size //= 4
-        chunked = filter_map(evaluate, batch_size=batch_size, in_axes=(None, 0))
+        chunked = eqxshard.filter_map(evaluate, batch_size=batch_size, in_axes=(None, 0))
         mb = temp_mb(chunked, model, points)
         print(f"  filter_map(batch_size={batch_size:>6}):      {mb:8.1f} MB of temporaries")
         if mb <= BUDGET_MB:
@@ -88,7 +86,7 @@ def main() -> None:
 
     # 3. The same grid from host memory, in chunks, onto all the devices.
     host_points = np.asarray(points)
-    stream = filter_stream(evaluate, batch_size=n * 4096, in_axes=(None, 0), mesh=mesh)
+    stream = eqxshard.filter_stream(evaluate, batch_size=n * 4096, in_axes=(None, 0), mesh=mesh)
     streamed = stream(replicated_model, host_points)
 
     # The three agree, and match a plain vmap on a slice small enough to fit.

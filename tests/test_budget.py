@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import eqxshard
-from eqxshard import _budget
+from eqxshard._mapping import budget as _budget
 
 
 @settings(max_examples=200, deadline=None)

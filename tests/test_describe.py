@@ -1,4 +1,4 @@
-"""`describe`: the per-leaf, per-device table of a plan or a placed tree (eqxshard/_describe.py)."""
+"""`describe`: the per-leaf, per-device table of a plan or a placed tree."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from helpers import MESH_KINDS, make_mesh
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
-from eqxshard import _compat
-from eqxshard._describe import ShardingTable, describe, format_bytes
-from eqxshard._fsdp import fsdp
-from eqxshard._rules import path_rules
+from eqxshard import ShardingTable, _compat, describe, fsdp, path_rules
+from eqxshard._tree import format_bytes
 
 
 def tree() -> dict:

@@ -15,7 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from rich.console import Console
 
 import eqxshard
-from eqxshard._describe_view import layout_grid
+from eqxshard._plans.describe_view import layout_grid
 
 
 def tree() -> dict:

@@ -4,7 +4,7 @@ two processes in `tests/multihost/test_mismatch_multihost.py`)."""
 import numpy as np
 import pytest
 
-from eqxshard import _exchange
+from eqxshard._placement import exchange as _exchange
 
 
 def test_timeout_reads_the_variable(monkeypatch):

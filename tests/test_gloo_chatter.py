@@ -1,7 +1,7 @@
 """The launcher forwards one Gloo connection line per process and drops the rest, also
 when a message is glued to the script's output or split over two lines."""
 
-from eqxshard._gloo_chatter import GlooChatter
+from eqxshard._processes.gloo_chatter import GlooChatter
 
 MSG = b"[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
 

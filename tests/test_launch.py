@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import eqxshard
-from eqxshard import _initialize, _launch
+from eqxshard._processes import initialize as _initialize, launcher as _launch
 
 # Only stops a run that hangs; the runs here take seconds.
 HANG_S = 120
@@ -352,7 +352,7 @@ def test_system_exit_at_the_top_ends_at_once_with_its_code(
         tmp_path,
         f"""
         import atexit, sys
-        from eqxshard import _initialize
+        from eqxshard._processes import initialize as _initialize
         def main():
             _initialize._end_promptly_on_errors()
             atexit.register(lambda: print("atexit ran", flush=True))

@@ -1,4 +1,4 @@
-"""`like(params)`: optimiser state laid out like its parameters (eqxshard/_like.py)."""
+"""`like(params)`: optimiser state laid out like its parameters (eqxshard/_plans/like.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,7 @@ from helpers import MESH_KINDS, assert_placed, assert_sharding, make_mesh, named
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard._fsdp import fsdp
-from eqxshard._like import like
-from eqxshard._plan import filter_init, filter_plan
-from eqxshard._rules import path_rules
+from eqxshard import filter_init, filter_plan, fsdp, like, path_rules
 
 RULES = path_rules([(r"layers\.[01]\.weight", P("data", "model")), (r".*", P())])
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from eqxshard._map import filter_map
+from eqxshard import filter_map
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce")
 

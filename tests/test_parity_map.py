@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from eqxshard._map import filter_map
+from eqxshard import filter_map
 
 
 def _batch_sizes(n):

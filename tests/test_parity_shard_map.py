@@ -17,8 +17,7 @@ import pytest
 from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqxshard import _compat
-from eqxshard._shard_map import filter_shard_map
+from eqxshard import _compat, filter_shard_map
 
 HAS_UNREDUCED = (
     hasattr(P(), "unreduced") and hasattr(P(), "partitions") and hasattr(jax.lax, "pcast")

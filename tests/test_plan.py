@@ -1,4 +1,4 @@
-"""`filter_plan` and `filter_init` (eqxshard/_plan.py)."""
+"""`filter_plan` and `filter_init` (eqxshard/_plans/plan.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,7 @@ from helpers import (
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard import _compat
-from eqxshard._describe import describe
-from eqxshard._fsdp import fsdp
-from eqxshard._plan import filter_init, filter_plan
-from eqxshard._rules import path_rules
+from eqxshard import _compat, describe, filter_init, filter_plan, fsdp, path_rules
 
 
 def make_mlp(key: jax.Array, width: int = 16) -> eqx.nn.MLP:

@@ -1,4 +1,4 @@
-"""Sharding rules: path rules, FSDP, logical axis names, composition (eqxshard/_rules.py)."""
+"""Sharding rules: path rules, FSDP, logical axis names, composition (eqxshard/_plans/rules.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 import eqxshard
-from eqxshard._fsdp import fsdp
-from eqxshard._logical import logical
-from eqxshard._plan import filter_plan
-from eqxshard._rules import NO_MATCH, Rule, dotted_path, first, path_rules
+from eqxshard import NO_MATCH, Rule, dotted_path, filter_plan, first, fsdp, logical, path_rules
 
 
 def mlp(key: int = 0) -> eqx.nn.MLP:

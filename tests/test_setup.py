@@ -12,7 +12,8 @@ import jax
 import pytest
 
 import eqxshard
-from eqxshard import _clusters, _compat, _initialize
+from eqxshard import _compat
+from eqxshard._processes import clusters as _clusters, initialize as _initialize
 
 LAUNCHER_VARS = (
     _initialize.PROCESS_ID_VAR,

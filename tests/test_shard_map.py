@@ -13,8 +13,8 @@ import pytest
 from helpers import assert_equal_value, assert_statics_same, make_mesh, make_model
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-import eqxshard._shard_map as _shard_map_module
-from eqxshard._shard_map import filter_shard_map
+import eqxshard._shard_map.shard_map as _shard_map_module
+from eqxshard import filter_shard_map
 
 KINDS = ("auto", "explicit")
 N = 8  # devices

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from eqxshard._stream import filter_stream
+from eqxshard import filter_stream
 
 ACTIVATION = jnp.tanh
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import eqxshard
-from eqxshard import _launch
+from eqxshard._processes import launcher as _launch
 
 from . import Case
 

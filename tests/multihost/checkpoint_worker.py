@@ -28,8 +28,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import check, join, run_scenarios
 
 import eqxshard
-from eqxshard._checkpoint import filter_save, latest_step
-from eqxshard._restore import filter_restore
+from eqxshard import filter_restore, filter_save, latest_step
 
 SCENARIOS: dict[str, Callable[[int, Path], None]] = {}
 

@@ -22,11 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import LOCAL_DEVICES, check, join, run_scenarios
 
 import eqxshard
-from eqxshard._describe import describe
-from eqxshard._fsdp import fsdp
-from eqxshard._like import like
-from eqxshard._plan import filter_init, filter_plan
-from eqxshard._rules import path_rules
+from eqxshard import describe, filter_init, filter_plan, fsdp, like, path_rules
 
 SCENARIOS: dict[str, Callable[[int], None]] = {}
 

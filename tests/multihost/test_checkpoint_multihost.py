@@ -25,8 +25,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import NUM_PROCESSES
 
 import eqxshard
-from eqxshard._checkpoint import filter_save, latest_step
-from eqxshard._restore import filter_restore
+from eqxshard import filter_restore, filter_save, latest_step
 
 WORKER = HERE / "checkpoint_worker.py"
 worker = load_worker(WORKER, "eqxshard_checkpoint_worker")

@@ -39,7 +39,7 @@ from harness import HERE, child_env, load_worker, own_processes, run_once
 from jax.sharding import AxisType
 
 import eqxshard
-from eqxshard import _clusters
+from eqxshard._processes import clusters as _clusters
 
 # Each runs several multi-process runs: CI runs these once, on the newest JAX.
 pytestmark = pytest.mark.heavy

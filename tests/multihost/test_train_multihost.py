@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from harness import child_env, own_processes, run_once
 
-from eqxshard import _launch
+from eqxshard._processes import launcher as _launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_multihost.py"

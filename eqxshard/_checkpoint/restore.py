@@ -1,0 +1,248 @@
+"""`filter_restore`: read a checkpoint of `filter_save` straight into any layout."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding, Sharding
+
+from .. import _compat
+from .._plans.plan import plan_shardings
+from .._tree import Flat, T, is_array_like, leaf_error, pathstr, shape_str
+from .save import _all_steps, _directory, _manager, _names, _orbax, _step, _steps, damage
+
+
+def _own_sharding(leaf: Any) -> Sharding | None:
+    """The concrete sharding a leaf of `like` already has (an array's, or a
+    `ShapeDtypeStruct`'s), if any; abstract-mesh shardings (from `eval_shape` under
+    `jax.set_mesh`) have no devices to read into and do not count."""
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, Sharding):
+        return None
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
+        return None
+    return sharding
+
+
+def _key_impl(leaf: Any) -> Any:
+    """The PRNG implementation of a key array or of an abstract one."""
+    if isinstance(leaf, jax.Array):
+        return jax.random.key_impl(leaf)
+    found = []
+    jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)) or k, leaf)
+    return found[0]
+
+
+def _stored(leaf: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of what `filter_save` writes for a leaf (key data for PRNG keys)."""
+    if _compat.is_prng_key(leaf):
+        return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+
+def _describe_stored(shape: Any, dtype: Any) -> str:
+    return f"{shape_str(tuple(shape))} {np.dtype(dtype).name}"
+
+
+def filter_restore(
+    directory: str | os.PathLike,
+    like: T,
+    target: Any = None,
+    spec: Any = None,
+    *,
+    step: int | None = None,
+) -> T:
+    """Reads a checkpoint written by `filter_save` into the layout `target`/`spec` describe.
+
+    `like` gives the structure and the non-array leaves; its array leaves may be arrays
+    or `jax.ShapeDtypeStruct`s (e.g. `eqx.filter_eval_shape(make_model, key)`: nothing is
+    allocated but the result). Each array leaf is read straight into its sharding:
+    every process reads only its own devices' shards, on any mesh, also one of another
+    shape or another number of processes than at save time. Everything is checked
+    before anything is read: a leaf of `like` missing from the checkpoint, one the
+    checkpoint has and `like` lacks, or a shape or dtype that differs is an error.
+
+    With several processes, call it on every process with the same arguments.
+
+    **Arguments:**
+
+    - `directory`: the directory `filter_save` wrote to.
+    - `like`: a PyTree with the structure of the saved one: a model, or an abstract one.
+    - `target`, `spec`: the layout, in every form `filter_shard` accepts: a `Mesh` with a
+        `PartitionSpec`, a prefix PyTree of them or a rule (`fsdp`, `path_rules`, ...); a
+        `Sharding`; a `Device`; a prefix PyTree of these. If both are `None`, each leaf
+        keeps the sharding it has in `like` (a placed model's, or a
+        `ShapeDtypeStruct(..., sharding=...)`'s). A leaf that `target` leaves alone
+        (`None`) also keeps its own sharding.
+    - `step`: the step to read; `None` reads the newest.
+
+    **Returns:**
+
+    A PyTree with the structure of `like`: its non-array leaves (the same objects), and
+    at each array leaf a `jax.Array` holding the saved value in its planned sharding
+    (PRNG key arrays as key arrays again).
+
+    **Raises:**
+
+    - `ImportError`: if `orbax-checkpoint` is not installed.
+    - `FileNotFoundError`: if `directory` holds no checkpoint, or not `step`.
+    - `ValueError`: if `step` is damaged (metadata or array data missing or unreadable),
+        naming what is and the newest good step before it. With `step=None` damaged steps
+        are skipped (with a warning), as by `latest_step`.
+    - `ValueError`: if the checkpoint and `like` differ in leaves, shapes or dtypes (every
+        such leaf listed), if a leaf has no sharding to read into, and the `ValueError`s
+        and `TypeError`s of `filter_shard` about `target` and `spec`.
+
+    !!! Example
+
+        ```python
+        import tempfile
+
+        directory = tempfile.mkdtemp()
+        make_model = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        saved = eqxshard.filter_replicate(make_model(jax.random.key(0)), mesh)
+        eqxshard.filter_save(directory, 0, saved)
+
+        abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))  # nothing allocated
+        model = eqxshard.filter_restore(directory, abstract, mesh, eqxshard.fsdp("data"))
+        ```
+    """
+    verb = "filter_restore"
+    ocp = _orbax(verb)
+    directory = _directory(directory, verb)
+    all_steps = _all_steps(ocp, directory)
+    # An explicit step is read or is an error; only `step=None` skips damaged ones, saying so.
+    steps = _steps(ocp, directory, warn=step is None)
+    if step is None:
+        if not steps:
+            damaged = f" (damaged steps, skipped: {all_steps})" if all_steps else ""
+            raise FileNotFoundError(
+                f"`filter_restore` found no checkpoint in {directory}{damaged}. Check the "
+                "directory, or use `latest_step(directory) is None` to start from scratch."
+            )
+        step = steps[-1]
+    else:
+        step = _step(step, verb)
+        if step not in all_steps:
+            raise FileNotFoundError(
+                f"`filter_restore` found no step {step} in {directory}; it holds steps "
+                f"{steps}. Pass one of them as `step`, or `step=None` for the newest."
+            )
+        problem = damage(directory, step)
+        if problem is not None:
+            raise _damaged(directory, step, problem, steps)
+    flat = Flat(like, is_array=is_array_like)
+    shardings: dict[int, Sharding] = {}
+    if target is None and spec is None:
+        # Each leaf's own sharding, as a prefix-tree target: the checks of `filter_shard`
+        # (divisibility, ...) then run on it too. No sharding anywhere: the error below.
+        own = {i: _own_sharding(flat.leaves[i]) for i in flat.array_indices}
+        if any(s is not None for s in own.values()):
+            statics = {i: None for i, a in enumerate(flat.is_array) if not a}
+            flat, shardings = plan_shardings(verb, like, flat.rebuild({**own, **statics}), None)
+    else:
+        flat, shardings = plan_shardings(verb, like, target, spec)
+    names = _names(verb, flat)
+    # What no plan gave (no target, or `None` in a prefix target) keeps its own sharding.
+    unplaced = []
+    for i in flat.array_indices:
+        if shardings.get(i) is None:
+            own = _own_sharding(flat.leaves[i])
+            if own is None:
+                unplaced.append((pathstr(flat.paths[i]),))
+            else:
+                shardings[i] = own
+    if unplaced:
+        raise ValueError(
+            leaf_error(
+                "`filter_restore` has no sharding to read these leaves into (`like` gives "
+                "them none, and `target`/`spec` do not place them):",
+                unplaced,
+                "Pass a `target` (e.g. a mesh, with a `spec`), or a placed `like`.",
+            )
+        )
+
+    manager = _manager(ocp, directory, create=False)
+    try:
+        try:
+            metadata = manager.item_metadata(step)
+            saved = getattr(metadata, "tree", metadata)
+            if not isinstance(saved, dict):
+                raise ValueError(f"its metadata holds {type(saved).__name__}, not a tree")
+        except Exception as e:
+            raise _damaged(
+                directory, step, f"its metadata is unreadable ({_short(e)})", steps
+            ) from e
+        _check_matches(directory, step, flat, names, saved)
+        abstract = {}
+        for name, i in names.items():
+            stored = _stored(flat.leaves[i])
+            abstract[name] = jax.ShapeDtypeStruct(stored.shape, stored.dtype, sharding=shardings[i])
+        try:
+            restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+        except Exception as e:
+            raise _damaged(
+                directory, step, f"its array data is unreadable ({_short(e)})", steps
+            ) from e
+    finally:
+        manager.close()
+    out = {}
+    for name, i in names.items():
+        leaf = flat.leaves[i]
+        value = restored[name]
+        if _compat.is_prng_key(leaf):
+            value = jax.random.wrap_key_data(value, impl=_key_impl(leaf))
+        out[i] = value
+    return flat.rebuild(out)
+
+
+def _short(e: BaseException) -> str:
+    """An error of orbax or tensorstore in brief (their messages run to pages)."""
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _damaged(directory: str, step: int, problem: str, steps: list[int]) -> ValueError:
+    """The one error for a step that cannot be read, pointing to the good step before."""
+    earlier = [s for s in steps if s < step]
+    if earlier:
+        hint = (
+            f"The newest good step before it is {earlier[-1]}: pass `step={earlier[-1]}`, "
+            f"or delete {os.path.join(directory, str(step))} and restore with `step=None`."
+        )
+    else:
+        hint = "There is no good step before it: start from scratch or restore another copy."
+    return ValueError(f"`filter_restore` cannot read step {step} in {directory}: {problem}. {hint}")
+
+
+def _check_matches(
+    directory: str, step: int, flat: Flat, names: dict[str, int], saved: Any
+) -> None:
+    rows = []
+    for name, i in names.items():
+        stored = _stored(flat.leaves[i])
+        want = _describe_stored(stored.shape, stored.dtype)
+        if name not in saved:
+            rows.append((name, f"in `like` as {want}", "not in the checkpoint"))
+            continue
+        have = _describe_stored(saved[name].shape, saved[name].dtype)
+        if have != want:
+            rows.append((name, f"in `like` as {want}", f"in the checkpoint as {have}"))
+    for name in saved:
+        if name not in names:
+            have = _describe_stored(saved[name].shape, saved[name].dtype)
+            rows.append((name, "not in `like`", f"in the checkpoint as {have}"))
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`filter_restore`: step {step} in {directory} does not match `like` (leaves "
+                "by dotted path; PRNG keys as their key data):",
+                rows,
+                "Build `like` as the saved tree was built (the same model class and "
+                "configuration), or restore with the old definition and convert.",
+            )
+        )

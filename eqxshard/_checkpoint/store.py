@@ -1,0 +1,166 @@
+"""The orbax side of checkpoints: the `orbax` import, checked directories and steps,
+the checkpoint manager, the steps on disk and whether a step is complete, and the names
+leaves are saved under. Shared by `filter_save`, `latest_step` and `filter_restore`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+
+from .._plans.rules import dotted_path
+from .._tree import Flat, leaf_error, pathstr
+from .async_save import (
+    AsyncSave as AsyncSave,
+)
+
+# (directory, step) of the damaged steps already warned about, so that each is said once.
+_WARNED: set[tuple[str, int]] = set()
+
+
+def _orbax(verb: str) -> Any:
+    try:
+        import orbax.checkpoint as ocp
+    except ImportError as e:
+        raise ImportError(
+            f"`{verb}` needs the `orbax-checkpoint` package, which is not installed. "
+            "Install it with `pip install eqxshard[checkpoint]`."
+        ) from e
+    return ocp
+
+
+def _directory(directory: Any, verb: str) -> str:
+    if not isinstance(directory, str | os.PathLike):
+        raise TypeError(
+            f"`{verb}` takes a `directory` as a `str` or `os.PathLike`, but got "
+            f"{type(directory).__name__}."
+        )
+    directory = os.fspath(directory)
+    # orbax wants absolute paths; URLs (`gs://...`) are left as they are.
+    return directory if "://" in directory else os.path.abspath(directory)
+
+
+def _step(step: Any, verb: str) -> int:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer):
+        raise TypeError(f"`{verb}` takes an int `step`, but got {type(step).__name__}.")
+    if step < 0:
+        raise ValueError(f"`{verb}` takes a `step` >= 0, but got {step}.")
+    return int(step)
+
+
+def _max_to_keep(max_to_keep: Any) -> int | None:
+    if max_to_keep is None:
+        return None
+    if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int | np.integer):
+        raise TypeError(
+            "`filter_save` takes `max_to_keep` as an int >= 1 or None, but got "
+            f"{max_to_keep!r} ({type(max_to_keep).__name__}). Pass e.g. `max_to_keep=3`."
+        )
+    if max_to_keep < 1:
+        raise ValueError(
+            f"`filter_save` takes `max_to_keep` >= 1 or None, but got {max_to_keep}. Pass "
+            "`None` to keep every checkpoint."
+        )
+    return int(max_to_keep)
+
+
+def _writable(directory: str) -> None:
+    """Raises if `directory`, or a folder above it, is an existing non-directory."""
+    if "://" in directory:
+        return
+    path = directory
+    while True:
+        if os.path.exists(path):
+            if not os.path.isdir(path):
+                what = "is" if path == directory else f"is inside {path}, which is"
+                raise NotADirectoryError(
+                    f"`filter_save` cannot write to `directory` {directory}: it {what} a file, "
+                    "not a directory. Pass a directory path (it is created if missing)."
+                )
+            return
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def _manager(ocp: Any, directory: str, *, create: bool, **options: Any) -> Any:
+    options = ocp.CheckpointManagerOptions(create=create, **options)
+    return ocp.CheckpointManager(
+        directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
+    )
+
+
+def _all_steps(ocp: Any, directory: str) -> list[int]:
+    """The finalised steps in `directory` (a save in progress is not one), ascending,
+    whether complete or damaged."""
+    if "://" not in directory and not os.path.isdir(directory):
+        return []
+    return sorted(ocp.utils.checkpoint_steps(directory))
+
+
+def damage(directory: str, step: int) -> str | None:
+    """What is missing or unreadable in step `step` of `directory`, or `None` if its
+    metadata is complete (array data is only read by `filter_restore`). URLs are not
+    checked."""
+    if "://" in directory:
+        return None
+    step_dir = os.path.join(directory, str(step))
+    if not os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
+        return f"{step_dir}/_CHECKPOINT_METADATA is missing"
+    metadata = os.path.join(step_dir, "default", "_METADATA")
+    if not os.path.isfile(metadata):
+        return f"{metadata} is missing"
+    try:
+        with open(metadata) as f:
+            tree = json.load(f)["tree_metadata"]
+        if not isinstance(tree, dict):
+            raise TypeError(type(tree).__name__)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{metadata} is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def _steps(ocp: Any, directory: str, *, warn: bool = True) -> list[int]:
+    """The complete steps in `directory`, ascending. A damaged one (an interrupted copy,
+    lost metadata) is skipped, with a warning the first time it is seen (with `warn`)."""
+    steps = []
+    for step in _all_steps(ocp, directory):
+        problem = damage(directory, step)
+        if problem is None:
+            steps.append(step)
+        elif warn and (directory, step) not in _WARNED:
+            _WARNED.add((directory, step))
+            warnings.warn(
+                f"eqxshard skips step {step} in {directory}: it is damaged ({problem}). "
+                "Delete that step's directory to silence this.",
+                stacklevel=3,
+            )
+    return steps
+
+
+def _names(verb: str, flat: Flat) -> dict[str, int]:
+    """Each array leaf's name in the checkpoint (its dotted path) -> its index in `flat`."""
+    names: dict[str, list[int]] = {}
+    for i in flat.array_indices:
+        names.setdefault(dotted_path(flat.paths[i]) or "<root>", []).append(i)
+    clashes = [
+        (name, ", ".join(pathstr(flat.paths[i]) for i in indices))
+        for name, indices in names.items()
+        if len(indices) > 1
+    ]
+    if clashes:
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` names each array leaf by its dotted path, but these leaves share a "
+                "name:",
+                clashes,
+                "Give them distinct keys (e.g. do not mix the dict keys `0` and `'0'`, or a "
+                "dict key containing a dot with an attribute path).",
+            )
+        )
+    return {name: indices[0] for name, indices in names.items()}

@@ -1,0 +1,46 @@
+"""The only place that touches private or version-specific JAX API.
+
+Everything here is small on purpose: when JAX moves an API, this folder is what to fix.
+Supported: jax 0.7.2 (the lowest, tested in CI) to the newest release. The rest of
+eqxshard reads these names as `_compat.name`; each submodule holds one family:
+`arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers),
+`meshes` (ambient and abstract meshes, axis types, specs) and `processes` (host gathers,
+global shapes, the detected cluster, the coordination-service client).
+
+Imports: JAX only (nothing else of eqxshard).
+"""
+
+from .arrays import (
+    TRACED_MEMORY_KINDS as TRACED_MEMORY_KINDS,
+    Tracer as Tracer,
+    batched_leaves as batched_leaves,
+    is_jax_dtype as is_jax_dtype,
+    is_prng_key as is_prng_key,
+    is_ref as is_ref,
+    is_tracer as is_tracer,
+    memory_kinds_in_jit as memory_kinds_in_jit,
+    memory_space as memory_space,
+    reshard_explicit as reshard_explicit,
+    shard_map_specs_from_trace as shard_map_specs_from_trace,
+    traced_memory_space as traced_memory_space,
+    traced_sharding as traced_sharding,
+    tracing as tracing,
+)
+from .meshes import (
+    abstract_mesh as abstract_mesh,
+    abstract_mesh_of as abstract_mesh_of,
+    ambient_mesh as ambient_mesh,
+    axis_type_map as axis_type_map,
+    context_abstract_mesh as context_abstract_mesh,
+    mesh_platform as mesh_platform,
+    spec_entries as spec_entries,
+    spec_reductions as spec_reductions,
+    spec_str as spec_str,
+    vmapped_mesh_axes as vmapped_mesh_axes,
+)
+from .processes import (
+    coordination_client as coordination_client,
+    detected_cluster as detected_cluster,
+    global_shape as global_shape,
+    process_allgather as process_allgather,
+)

@@ -1,0 +1,129 @@
+"""Meshes, axis types and specs as every supported JAX spells them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
+
+
+def _concrete_mesh() -> Mesh | None:
+    get_mesh = getattr(jax.sharding, "get_mesh", None)  # public from jax 0.8
+    try:
+        if get_mesh is not None:
+            mesh = get_mesh()
+        else:
+            from jax._src import mesh as mesh_lib
+
+            mesh = mesh_lib.get_concrete_mesh()
+    except Exception:  # inside jit, `get_mesh` raises: only the abstract mesh is known
+        return None
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def _legacy_mesh() -> Mesh | None:
+    """The mesh of the deprecated `with mesh:` context manager, if one is active."""
+    from jax._src import mesh as mesh_lib
+
+    mesh = mesh_lib.thread_resources.env.physical_mesh
+    return None if mesh.empty else mesh
+
+
+def ambient_mesh() -> Mesh | AbstractMesh | None:
+    """The mesh set by `jax.set_mesh` (or the legacy `with mesh:`), or `None`.
+
+    Outside `jit` this is the concrete `Mesh`; inside `jit` JAX only exposes the
+    `AbstractMesh` (axis names, sizes and types, but no devices).
+    """
+    concrete = _concrete_mesh()
+    if concrete is not None:
+        return concrete
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty:
+        return abstract
+    return _legacy_mesh()
+
+
+def context_abstract_mesh() -> AbstractMesh | None:
+    """The abstract mesh currently in context, or `None`."""
+    abstract = jax.sharding.get_abstract_mesh()
+    return None if abstract.empty else abstract
+
+
+def abstract_mesh_of(mesh: Mesh | AbstractMesh) -> AbstractMesh:
+    return mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+
+
+def axis_type_map(mesh: Mesh | AbstractMesh) -> dict[str, AxisType]:
+    """Each mesh axis name and its `AxisType` (`Auto`, `Explicit` or `Manual`)."""
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def mesh_platform(mesh: Mesh | AbstractMesh) -> str | None:
+    """The platform (`"cpu"`, `"gpu"`, ...) of a mesh, or `None` where JAX does not say."""
+    if isinstance(mesh, Mesh):
+        return mesh.devices.flat[0].platform if mesh.devices.size else None
+    device = getattr(mesh, "abstract_device", None)
+    platform = getattr(device, "platform", None)  # jax >= 0.8; older ones do not say
+    return platform if isinstance(platform, str) else None
+
+
+def abstract_mesh(
+    axis_sizes: tuple[int, ...],
+    axis_names: tuple[str, ...],
+    axis_types: tuple[AxisType, ...] | None = None,
+) -> AbstractMesh:
+    """`AbstractMesh(axis_sizes, axis_names, axis_types)`: a mesh of any size, no devices.
+
+    The constructor takes the same arguments from jax 0.7.2 to 0.12, but its default axis
+    types changed: `Auto` up to jax 0.10, `Explicit` from 0.11 (measured on 0.12). `None`
+    here means `Auto` on every version.
+    """
+    if axis_types is None:
+        axis_types = (AxisType.Auto,) * len(axis_names)
+    return AbstractMesh(tuple(axis_sizes), tuple(axis_names), axis_types)
+
+
+def spec_entries(spec: PartitionSpec) -> tuple[Any, ...]:
+    """The per-dim entries of `spec`, without its `unreduced`/`reduced` sets.
+
+    JAX refuses to iterate a `PartitionSpec` that has non-empty `unreduced`/`reduced`
+    sets (jax >= 0.8) and offers `spec.partitions` instead; older releases have neither.
+    """
+    partitions = getattr(spec, "partitions", None)
+    return tuple(spec) if partitions is None else tuple(partitions)
+
+
+def spec_str(spec: Any) -> str:
+    """`spec` as `P('data', None)`, the same on every jax version (jax 0.7 prints
+    `PartitionSpec(...)`), with its `unreduced`/`reduced` sets where it has them."""
+    if not isinstance(spec, PartitionSpec):
+        return repr(spec)
+    text = repr(spec_entries(spec))[1:-1]
+    for name in ("unreduced", "reduced"):
+        axes = getattr(spec, name, None)
+        if axes:
+            text += f", {name}={set(axes)!r}"
+    return f"P({text})"
+
+
+def spec_reductions(spec: PartitionSpec) -> frozenset[str]:
+    """The mesh axes in `spec`'s `unreduced` and `reduced` sets (empty where JAX has none)."""
+    unreduced = getattr(spec, "unreduced", None) or frozenset()
+    reduced = getattr(spec, "reduced", None) or frozenset()
+    return frozenset(unreduced) | frozenset(reduced)
+
+
+def vmapped_mesh_axes() -> frozenset[str]:
+    """The Explicit mesh axes an enclosing `vmap` has taken for its batch dim.
+
+    `jax.shard_map` leaves them out of its default `axis_names` and refuses them in
+    `axis_names` (jax >= 0.8); older releases do not record them.
+    """
+    from jax._src import core
+
+    env = core.get_axis_env()
+    return frozenset(getattr(env, "explicit_mesh_axis_names", ()) or ())

@@ -1,0 +1,9 @@
+"""Placement: putting the array leaves of one PyTree where a target and spec say.
+
+Owns `filter_shard`, `filter_replicate`, `filter_put`, `filter_get`; resolving a
+target/spec into one sharding per leaf (`resolve`, `specs`); the one eager/traced switch
+(`place`: `device_put` outside `jit`, a layout constraint inside); placement across
+processes (`multihost`) and the bounded cross-process checks it needs (`exchange`).
+
+Imports: `eqxshard._compat`, `eqxshard._tree` and this folder only.
+"""

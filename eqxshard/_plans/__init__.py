@@ -1,0 +1,9 @@
+"""Plans: layouts of whole models chosen by rules, seen before anything is placed.
+
+Owns the rules (`rules`: `path_rules`, `first`; `fsdp`; `logical`; `like`), applying them
+to a tree or its shapes (`plan`: `filter_plan`, `filter_init`) and the per-device table
+(`describe`, drawn by `describe_view`).
+
+Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
+`eqxshard._shard_map` and this folder.
+"""

@@ -1,0 +1,162 @@
+"""`describe`: one row per array leaf (path, shape, dtype, spec, bytes per device), and
+the total bytes on each device, for a plan or for a tree already placed."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jax.sharding import (
+    AbstractMesh,
+    NamedSharding,
+    PartitionSpec,
+    Sharding,
+    SingleDeviceSharding,
+)
+from jaxtyping import PyTree
+
+from .. import _compat
+from .._tree import Flat, device_name, is_array_like
+from .plan import plan_shardings
+from .rules import dotted_path
+from .table import LeafRow, ShardingTable
+
+# How many of the largest unsharded leaves a table lists.
+UNSHARDED_SHOWN = 5
+
+
+def _spec_str(sharding: Sharding | None) -> str:
+    if sharding is None:
+        return "-"
+    if isinstance(sharding, NamedSharding):
+        entries = ", ".join(repr(e) for e in sharding.spec)
+        return f"P({entries})"
+    if isinstance(sharding, SingleDeviceSharding):
+        return f"device {device_name(next(iter(sharding.device_set)))}"
+    return type(sharding).__name__
+
+
+def _per_device(sharding: Sharding, shape: tuple[int, ...], itemsize: int) -> dict[Any, int]:
+    """The bytes of one leaf on each device of its sharding (padded shards, as XLA pads)."""
+    if isinstance(sharding, NamedSharding) and isinstance(sharding.mesh, AbstractMesh):
+        # No devices (a mesh to size a run before having it, or inside `jit`): each
+        # position of the mesh, 0 to size - 1, stands for a device.
+        devices = range(sharding.mesh.size)
+    else:
+        try:
+            devices = sharding.device_set
+        except Exception:  # no devices to count
+            return {}
+    if isinstance(sharding, NamedSharding):
+        sizes = dict(sharding.mesh.shape)
+        shard = list(shape)
+        for dim, entry in enumerate(sharding.spec):
+            if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+                continue
+            names = entry if isinstance(entry, tuple) else (entry,)
+            shard[dim] = -(-shape[dim] // math.prod(sizes[n] for n in names))
+        return dict.fromkeys(devices, math.prod(shard) * itemsize)
+    indices = sharding.devices_indices_map(shape)
+    return {
+        d: math.prod(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+        * itemsize
+        for d, index in indices.items()
+    }
+
+
+def _own_sharding(x: Any) -> Sharding | None:
+    if _compat.is_tracer(x):
+        return _compat.traced_sharding(x)
+    sharding = getattr(x, "sharding", None)  # jax.Array, jax.ShapeDtypeStruct
+    return sharding if isinstance(sharding, Sharding) else None
+
+
+def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTable:
+    """A table of where each array leaf lives and how many bytes each device holds.
+
+    With a `target` or `spec`, it describes the plan: the layout `filter_shard(tree,
+    target, spec)` would give, checked the same way, without placing or allocating
+    anything, so `tree` may be abstract (`eqx.filter_eval_shape(make_model, key)`).
+    Without either, it reads each leaf's own sharding (a tree already placed; host NumPy
+    leaves and abstract leaves without a sharding show as not placed).
+
+    One row per array leaf: its dotted path (the form `path_rules` match), shape, dtype,
+    spec, the bytes of it on one device, and its total bytes. Below: the bytes on each
+    device, and the largest leaves left whole on every device.
+
+    **Arguments:**
+
+    - `tree`: any PyTree, concrete or abstract (`jax.ShapeDtypeStruct` leaves).
+    - `target`: as for `filter_shard`; `None` with no `spec` reads the tree's own
+        shardings.
+        An `AbstractMesh` of any size sizes a run before having its devices
+        (see docs/sizing.md).
+    - `spec`: as for `filter_shard`: a `PartitionSpec`, a prefix PyTree, a callable or a
+        rule.
+
+    **Returns:**
+
+    A `ShardingTable`: `print` it in a terminal; a notebook renders it as HTML. Its
+    fields (`rows`, `bytes_per_device`, `total_bytes`, `unsharded`) are plain data.
+
+    **Raises:**
+
+    With a `target` or `spec`: the errors of `filter_plan`.
+
+    !!! Example
+
+        ```python
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        make_model = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
+        abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
+        print(eqxshard.describe(abstract, mesh, eqxshard.fsdp("data")))
+        ```
+    """
+    if target is None and spec is None:
+        flat = Flat(tree, is_array=is_array_like)
+        shardings = {i: _own_sharding(flat.leaves[i]) for i in flat.array_indices}
+    else:
+        flat, planned = plan_shardings("describe", tree, target, spec, sync=False)
+        shardings = {i: planned.get(i) for i in flat.array_indices}
+    rows: list[LeafRow] = []
+    per_device: dict[Any, int] = {}
+    for i, sharding in shardings.items():
+        x = flat.leaves[i]
+        shape, itemsize = tuple(x.shape), x.dtype.itemsize
+        held = {} if sharding is None else _per_device(sharding, shape, itemsize)
+        for device, n in held.items():
+            per_device[device] = per_device.get(device, 0) + n
+        replicated = sharding is not None and sharding.is_fully_replicated
+        rows.append(
+            LeafRow(
+                path=dotted_path(flat.paths[i]),
+                shape=shape,
+                dtype=str(x.dtype),
+                sharding=sharding,
+                spec=_spec_str(sharding),
+                bytes=math.prod(shape) * itemsize,
+                bytes_per_device=max(held.values()) if held else None,
+                replicated=replicated,
+            )
+        )
+    unsharded = sorted(
+        (r for r in rows if r.replicated and r.sharding is not None and _size(r.sharding) > 1),
+        key=lambda r: -r.bytes,
+    )[:UNSHARDED_SHOWN]
+    ordered = dict(sorted(per_device.items(), key=lambda item: _device_order(item[0])))
+    return ShardingTable(
+        rows=rows,
+        bytes_per_device=ordered,
+        total_bytes=sum(r.bytes for r in rows),
+        unsharded=unsharded,
+    )
+
+
+def _device_order(device: Any) -> int:
+    return device if isinstance(device, int) else device.id
+
+
+def _size(sharding: Sharding) -> int:
+    if isinstance(sharding, NamedSharding):
+        return sharding.mesh.size
+    return len(sharding.device_set)

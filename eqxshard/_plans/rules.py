@@ -1,0 +1,318 @@
+"""Sharding rules: say how a whole model is laid out, not leaf by leaf.
+
+A rule is accepted anywhere a `spec` is (`filter_shard(model, mesh, rule)`, `filter_plan`,
+`describe`, `filter_init`). `_placement.resolve` calls its `spec_for(path, leaf, mesh)` on
+each array leaf, with that leaf's mesh. Rules here:
+
+- `path_rules([(pattern, spec), ...])`: regular expressions over each leaf's dotted path;
+- `first(a, b, ...)` or `a | b`: the first rule that matches a leaf gives its spec.
+
+Other rules build on `Rule`: `fsdp` (`fsdp.py`), `logical` (`logical.py`), `like`
+(`like.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+
+from .._placement.targets import RuleError
+from .._tree import Path, shape_str
+
+
+class _NoMatch:
+    def __repr__(self) -> str:
+        return "NO_MATCH"
+
+
+# What `Rule.match` returns for a leaf the rule has nothing to say about, so that the
+# next rule of a `first(...)` is asked. (`None` means "leave this leaf alone".)
+NO_MATCH: Any = _NoMatch()
+
+
+def dotted_path(path: Path) -> str:
+    """A leaf's key path in the form rules match against: `layers.0.weight`.
+
+    Attribute names (`GetAttrKey`), sequence indices (`SequenceKey`) and dict keys
+    (`DictKey`, written with `str`) joined by dots; the whole tree (a leaf at the root)
+    is the empty string. `describe` prints paths in this form, so its table shows what to
+    write in `path_rules`.
+
+    **Arguments:**
+
+    - `path`: a key path, as from `jax.tree_util.tree_flatten_with_path`.
+
+    **Returns:**
+
+    The path as a string, e.g. `dotted_path((GetAttrKey("layers"), SequenceKey(0),
+    GetAttrKey("weight"))) == "layers.0.weight"`.
+    """
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+class Rule:
+    """A sharding rule: gives each array leaf a `PartitionSpec` from its path, shape and mesh.
+
+    Build rules with `path_rules`, `fsdp`, `logical`, `like` and `first` (or `a | b`); pass
+    one as the `spec` of `filter_shard`, `filter_plan`, `describe` or `filter_init`.
+
+    To write your own, subclass `Rule` and define `match(path, leaf, mesh)` returning a
+    `PartitionSpec`, `None` (leave the leaf alone) or `NO_MATCH` (let the next rule of a
+    `first(...)` decide).
+    """
+
+    # What to do when no rule matches a leaf; the last line of that error.
+    no_match_fix = "Add a rule for these leaves, or end with a catch-all such as `P()`."
+
+    def match(self, path: Path, leaf: Any, mesh: Mesh | AbstractMesh) -> Any:
+        raise NotImplementedError
+
+    def spec_for(self, path: Path, leaf: Any, mesh: Mesh | AbstractMesh) -> PartitionSpec | None:
+        spec = self.match(path, leaf, mesh)
+        if spec is NO_MATCH:
+            raise RuleError(
+                "has no rule that matches these leaves:",
+                (repr(dotted_path(path)), f"shape {shape_str(leaf.shape)}"),
+                self.no_match_fix,
+            )
+        return spec
+
+    def __or__(self, other: Any) -> Rule:
+        return first(self, other)
+
+    def __ror__(self, other: Any) -> Rule:
+        return first(other, self)
+
+
+class _Constant(Rule):
+    def __init__(self, spec: PartitionSpec | None):
+        self.spec = spec
+
+    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
+        return self.spec
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
+
+
+class _Callable(Rule):
+    def __init__(self, fn: Callable[[Path, Any], Any]):
+        self.fn = fn
+
+    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
+        return self.fn(path, leaf)
+
+    def __repr__(self) -> str:
+        return f"<callable {getattr(self.fn, '__name__', self.fn)!r}>"
+
+
+class _Prefix(Rule):
+    """A prefix PyTree of specs: each leaf gets the spec above it; leaves outside it, none."""
+
+    no_match_fix = (
+        "Give the spec tree the structure of the model (or a prefix of it), or add a rule "
+        "after it for the other leaves (`first(spec_tree, P())`)."
+    )
+
+    def __init__(self, tree: Any, verb: str):
+        is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
+        entries = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+        bad = [(p, x) for p, x in entries if not is_leaf(x)]
+        if bad:
+            rows = "\n".join(f"  {dotted_path(p)!r}: {type(x).__name__}" for p, x in bad)
+            raise TypeError(
+                f"`{verb}` takes rules, `PartitionSpec`s, `None`, callables or spec trees; a spec "
+                "tree must have a `PartitionSpec` or `None` at every leaf, but got (path: type):"
+                f"\n{rows}\nPut a PartitionSpec (or `None` to leave a leaf alone) there."
+            )
+        self.specs = {tuple(p): x for p, x in entries}
+
+    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
+        for k in range(len(path) + 1):
+            if path[:k] in self.specs:
+                return self.specs[path[:k]]
+        return NO_MATCH
+
+
+def as_rule(spec: Any, verb: str) -> Rule:
+    """Any `spec` form as a rule: a rule, a PartitionSpec, `None`, a callable, a spec tree."""
+    if isinstance(spec, Rule):
+        return spec
+    if spec is None or isinstance(spec, PartitionSpec):
+        return _Constant(spec)
+    if callable(spec) and not isinstance(spec, eqx.Module):
+        return _Callable(spec)
+    return _Prefix(spec, verb)
+
+
+class PathRules(Rule):
+    """Regular expressions over leaf paths; see `path_rules`."""
+
+    def __init__(self, rules: Sequence[tuple[str | re.Pattern, PartitionSpec | None]]):
+        self.rules: list[tuple[re.Pattern, PartitionSpec | None]] = []
+        problems = []
+        for n, item in enumerate(rules):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                problems.append(f"  rule {n}: {item!r} is not a (pattern, spec) pair")
+                continue
+            pattern, spec = item
+            if not (spec is None or isinstance(spec, PartitionSpec)):
+                problems.append(f"  rule {n}: spec {spec!r} is not a PartitionSpec or None")
+                continue
+            try:
+                self.rules.append((re.compile(pattern), spec))
+            except (re.error, TypeError) as e:
+                problems.append(f"  rule {n}: pattern {pattern!r} is not a regular expression: {e}")
+        if problems:
+            raise TypeError(
+                "`path_rules` takes a list of (pattern, spec) pairs: a regular expression "
+                "and a PartitionSpec (or `None` to leave matching leaves alone), but got:\n"
+                + "\n".join(problems)
+                + "\nFor example: path_rules([(r'.*\\.weight', P(None, 'model')), (r'.*', P())])."
+            )
+        patterns = ", ".join(repr(p.pattern) for p, _ in self.rules) or "none"
+        self.no_match_fix = (
+            f"Patterns tried, in order: {patterns}. Each must match a whole dotted path "
+            "(`re.fullmatch`). Add a pattern for these paths, end with a catch-all "
+            "`(r'.*', P())`, or follow with another rule (`path_rules([...]) | fsdp('data')`)."
+        )
+
+    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
+        text = dotted_path(path)
+        for pattern, spec in self.rules:
+            if pattern.fullmatch(text):
+                return spec
+        return NO_MATCH
+
+    def __repr__(self) -> str:
+        return f"path_rules({[(p.pattern, s) for p, s in self.rules]!r})"
+
+
+def path_rules(
+    rules: Sequence[tuple[str | re.Pattern, PartitionSpec | None]]
+    | Mapping[str, PartitionSpec | None],
+) -> PathRules:
+    """A rule that gives each leaf the spec of the first pattern its path matches.
+
+    Each leaf's path is written in dotted form (`layers.0.weight`, see `dotted_path`) and
+    matched against the patterns in order with `re.fullmatch` (the whole path must match;
+    write `.*` for "anything"). The first match wins. A leaf that no pattern matches is an
+    error listing every such path, unless the rule is followed by another
+    (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`.
+
+    **Arguments:**
+
+    - `rules`: an ordered list of `(pattern, spec)` pairs (or a dict, in its order):
+        - `pattern`: a regular expression (a string or a compiled `re.Pattern`);
+        - `spec`: a `PartitionSpec`, or `None` to leave matching leaves alone.
+
+    **Returns:**
+
+    A `Rule`, to pass as a `spec`.
+
+    **Raises:**
+
+    - `TypeError`: if an item is not a pair, a pattern is not a regular expression, or a
+        spec is not a `PartitionSpec` or `None`.
+    - `ValueError` (when resolved, e.g. by `filter_shard`): for leaves no pattern matches.
+
+    !!! Example
+
+        ```python
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        model = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
+        rules = eqxshard.path_rules([
+            (r"(query|key|value)_proj\\.weight", P("model", None)),
+            (r"output_proj\\.weight", P(None, "model")),
+            (r".*", P()),  # everything else replicated
+        ])
+        model = eqxshard.filter_shard(model, mesh, rules)
+        ```
+    """
+    if isinstance(rules, Mapping):
+        rules = list(rules.items())
+    elif isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
+        raise TypeError(
+            f"`path_rules` takes a list of (pattern, spec) pairs, but got {type(rules).__name__}."
+        )
+    return PathRules(rules)
+
+
+class First(Rule):
+    """Rules tried in order; see `first`."""
+
+    no_match_fix = (
+        "No rule matched. Add a rule for these leaves, or end with a catch-all such as `P()` "
+        "(replicated): `first(..., P())`."
+    )
+
+    def __init__(self, rules: Sequence[Rule]):
+        self.rules = list(rules)
+
+    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
+        for rule in self.rules:
+            spec = rule.match(path, leaf, mesh)
+            if spec is not NO_MATCH:
+                return spec
+        return NO_MATCH
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(r) for r in self.rules)
+
+
+def first(*rules: Any) -> First:
+    """Rules composed: each leaf gets its spec from the first rule that matches it.
+
+    `first(a, b)` is also written `a | b`. A rule matches a leaf when it has something to
+    say about it: a path rule when one of its patterns matches, a spec tree when the leaf
+    is under it; `fsdp`, `like`, a `PartitionSpec`, `None` and a callable match every
+    leaf, so they end a chain. A leaf no rule matches is an error listing every such leaf.
+
+    **Arguments:**
+
+    - `*rules`: rules or any other `spec` form (a `PartitionSpec`, `None` to leave
+        leaves alone, a prefix PyTree of specs, a callable `(path, leaf) -> spec`).
+
+    **Returns:**
+
+    A `Rule`, to pass as a `spec`.
+
+    **Raises:**
+
+    - `TypeError`: if no rules are given, or a spec tree has leaves that are not specs.
+    - `ValueError` (when resolved): for leaves that no rule matches.
+
+    !!! Example
+
+        ```python
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        k1, k2 = jax.random.split(jax.random.key(0))
+        model = eqx.nn.Sequential([eqx.nn.Embedding(64, 16, key=k1), eqx.nn.Linear(16, 64, key=k2)])
+        # The embedding split over "model", everything else fully sharded over "data":
+        rules = eqxshard.path_rules([(r"layers\\.0\\.weight", P(None, "model"))])
+        model = eqxshard.filter_shard(model, mesh, rules | eqxshard.fsdp("data"))
+        ```
+    """
+    if not rules:
+        raise TypeError("`first` takes at least one rule, but got none.")
+    flat: list[Rule] = []
+    for rule in (as_rule(r, "first") for r in rules):
+        flat.extend(rule.rules if isinstance(rule, First) else [rule])
+    return First(flat)

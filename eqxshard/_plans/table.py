@@ -1,0 +1,123 @@
+"""The table `describe` returns: a row per array leaf and the bytes on each device, as
+plain data that prints as text, and draws as pictures in a notebook or a terminal."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Sharding
+
+from .._tree import device_name, format_bytes, shape_str
+from . import describe_view
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafRow:
+    """One array leaf of a `ShardingTable`.
+
+    - `path`: the dotted path (`layers.0.weight`), as `path_rules` match it.
+    - `shape`, `dtype`: the leaf's global shape and dtype.
+    - `sharding`: its `Sharding`, or `None` if it is not placed (host data, an abstract
+        leaf without sharding, or a leaf the spec leaves alone).
+    - `spec`: the layout in words: `P('data', None)`, `device 3`, or `-` (not placed).
+    - `bytes`: the size of the whole leaf.
+    - `bytes_per_device`: the most bytes of it on any one device (`None` if not placed).
+    - `replicated`: whether every device of its sharding holds the whole leaf.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: Sharding | None
+    spec: str
+    bytes: int
+    bytes_per_device: int | None
+    replicated: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingTable:
+    """What `describe` returns: a row per array leaf and the bytes on each device.
+
+    `print(table)` shows it in a terminal; a notebook shows it as an HTML table.
+
+    - `rows`: a `LeafRow` per array leaf, in the tree's order.
+    - `bytes_per_device`: each device and the bytes of all leaves on it. On an
+        `AbstractMesh` (no devices), each position of the mesh, `0` to its size - 1.
+    - `total_bytes`: the bytes of all array leaves, each counted once.
+    - `unsharded`: the largest leaves that are whole on every device of a mesh of more
+        than one device (at most 5, largest first): where sharding would save most.
+    """
+
+    rows: list[LeafRow]
+    bytes_per_device: dict[Any, int]
+    total_bytes: int
+    unsharded: list[LeafRow]
+
+    @property
+    def max_bytes_per_device(self) -> int:
+        """The bytes on the fullest device (0 if nothing is placed)."""
+        return max(self.bytes_per_device.values(), default=0)
+
+    def _columns(self) -> tuple[list[str], list[list[str]]]:
+        header = ["path", "shape", "dtype", "spec", "per device", "total"]
+        body = [
+            [
+                row.path or "<root>",
+                shape_str(row.shape),
+                row.dtype,
+                row.spec,
+                "-" if row.bytes_per_device is None else format_bytes(row.bytes_per_device),
+                format_bytes(row.bytes),
+            ]
+            for row in self.rows
+        ]
+        return header, body
+
+    def _summary(self) -> list[str]:
+        lines = [f"{len(self.rows)} array leaves, {format_bytes(self.total_bytes)} in all."]
+        per_device = self.bytes_per_device
+        if per_device:
+            values = set(per_device.values())
+            if len(values) == 1:
+                lines.append(
+                    f"Each of the {len(per_device)} devices holds "
+                    f"{format_bytes(next(iter(values)))}."
+                )
+            else:
+                held = ", ".join(
+                    f"{device_name(d)}: {format_bytes(b)}" for d, b in per_device.items()
+                )
+                lines.append(f"Bytes per device: {held}.")
+        if self.unsharded:
+            leaves = ", ".join(
+                f"{r.path or '<root>'} ({format_bytes(r.bytes)})" for r in self.unsharded
+            )
+            lines.append(f"Largest unsharded leaves (whole on every device): {leaves}.")
+        return lines
+
+    def __str__(self) -> str:
+        header, body = self._columns()
+        rows = [header, *body]
+        widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
+        right = {4, 5}  # byte counts right-aligned
+        lines = [
+            "  ".join(
+                cell.rjust(w) if c in right else cell.ljust(w)
+                for c, (cell, w) in enumerate(zip(r, widths, strict=True))
+            ).rstrip()
+            for r in rows
+        ]
+        return "\n".join([*lines, *self._summary()])
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        """A notebook's view: the table with each leaf's layout over its mesh as a grid of
+        devices, and the bytes on each device as bars."""
+        return describe_view.to_html(self)
+
+    def __rich__(self) -> Any:
+        """A terminal's view through `rich.print(table)`: the same pictures in colour."""
+        return describe_view.to_rich(self)

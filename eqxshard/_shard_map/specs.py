@@ -1,0 +1,154 @@
+"""The specs of `filter_shard_map`: one spec per leaf, checked against leaves and mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
+
+from .. import _compat
+from .._placement.specs import entry_axes
+from .._placement.targets import per_leaf
+from .._tree import Flat, leaf_error, pathstr, shape_str
+
+_VERB = "filter_shard_map"
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: str) -> list[Any]:
+    """One entry of `specs` per leaf of `flat`: a `PartitionSpec`, `None`, or a bad value."""
+    rule = getattr(specs, "spec_for", None) if not _is_spec_leaf(specs) else None
+    if rule is not None:
+        return [
+            rule(flat.paths[i], x, mesh) if flat.is_array[i] else None
+            for i, x in enumerate(flat.leaves)
+        ]
+    if callable(specs) and not _is_spec_leaf(specs):
+        return [
+            specs(flat.paths[i], x) if flat.is_array[i] else None for i, x in enumerate(flat.leaves)
+        ]
+    values = per_leaf(flat, specs, argname=argname, verb=_VERB, is_leaf=_is_spec_leaf)
+    return values
+
+
+def _check_spec_values(
+    flat: Flat,
+    values: list[Any],
+    mesh: Mesh | AbstractMesh,
+    manual: frozenset[str],
+    argname: str,
+    *,
+    none_ok: bool,
+) -> dict[int, PartitionSpec]:
+    """Each array leaf's `PartitionSpec`; raises naming every leaf whose spec is unusable."""
+    out: dict[int, PartitionSpec] = {}
+    wrong_type: list[tuple[str, str]] = []
+    missing: list[tuple[str, str]] = []
+    other_mesh: list[tuple[str, str]] = []
+    not_manual: list[tuple[str, str, str]] = []
+    for i in flat.array_indices:
+        path, spec = pathstr(flat.paths[i]), values[i]
+        if isinstance(spec, NamedSharding):
+            if dict(spec.mesh.shape) != dict(mesh.shape):
+                other_mesh.append((path, f"mesh {dict(spec.mesh.shape)}"))
+                continue
+            spec = spec.spec
+        if spec is None:
+            if none_ok:
+                spec = PartitionSpec()
+            else:
+                shape = shape_str(getattr(flat.leaves[i], "shape", ()))
+                missing.append((path, f"array of shape {shape}"))
+                continue
+        if not isinstance(spec, PartitionSpec):
+            wrong_type.append((path, f"{spec!r} of type {type(spec).__name__}"))
+            continue
+        named = {a for e in _compat.spec_entries(spec) for a in entry_axes(e)}
+        extra = sorted((named | _compat.spec_reductions(spec)) - manual, key=str)
+        if extra and all(a in mesh.axis_names for a in extra):
+            shown = f"spec {_compat.spec_str(spec)}"
+            not_manual.append((path, shown, f"axes {extra} not in `axis_names`"))
+            continue
+        out[i] = spec
+    if wrong_type:
+        raise TypeError(
+            leaf_error(
+                f"`{_VERB}` got `{argname}` entries that are not PartitionSpecs, for these leaves:",
+                wrong_type,
+                f"Give each array leaf a `PartitionSpec` in `{argname}` (a prefix PyTree of "
+                "them, or a callable `(path, leaf) -> PartitionSpec`).",
+            )
+        )
+    if other_mesh:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got `{argname}` NamedShardings on another mesh than "
+                f"{dict(mesh.shape)}, for these leaves:",
+                other_mesh,
+                "Use PartitionSpecs, or NamedShardings on the mesh given to `filter_shard_map`.",
+            )
+        )
+    if missing:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got `None` in `{argname}` for these array outputs:",
+                missing,
+                "Every array output needs a PartitionSpec saying how the per-device results "
+                "are joined: P() if they are equal on every device, P('name') to concatenate "
+                "along dim 0, ...; `None` is for non-array outputs.",
+            )
+        )
+    if not_manual:
+        raise ValueError(
+            leaf_error(
+                f"`{_VERB}` got `{argname}` naming mesh axes outside `axis_names` "
+                f"{sorted(manual)}:",
+                not_manual,
+                "Name only the axes the function is mapped over in `in_specs`/`out_specs`, "
+                "or add these axes to `axis_names`.",
+            )
+        )
+    return out
+
+
+def _check_out_specs(
+    flat: Flat, specs: dict[int, PartitionSpec], mesh: Mesh | AbstractMesh
+) -> None:
+    """Outputs are joined, not split: only axis names, repeats and rank can be wrong."""
+    unknown, repeated, rank = [], [], []
+    sizes = dict(mesh.shape)
+    for i, spec in specs.items():
+        path, shape = pathstr(flat.paths[i]), tuple(flat.leaves[i].shape)
+        entries = _compat.spec_entries(spec)
+        used = [a for e in entries for a in entry_axes(e)]
+        missing = [a for a in (*used, *sorted(_compat.spec_reductions(spec))) if a not in sizes]
+        if missing:
+            shown = f"spec {_compat.spec_str(spec)}"
+            unknown.append((path, shown, f"axes {missing} not in mesh {list(sizes)}"))
+        elif len(set(used)) != len(used):
+            twice = sorted({a for a in used if used.count(a) > 1})
+            shown = f"spec {_compat.spec_str(spec)}"
+            repeated.append((path, shown, f"axes {twice} used more than once"))
+        elif len(entries) > len(shape):
+            rank.append(
+                (
+                    path,
+                    f"per-device shape {shape_str(shape)}",
+                    f"spec {_compat.spec_str(spec)} has {len(entries)} entries",
+                )
+            )
+    for rows, header, fix in (
+        (unknown, "naming axes its mesh does not have", "Use only the mesh's axis names."),
+        (repeated, "using a mesh axis more than once", "Use each axis name once per spec."),
+        (
+            rank,
+            "with more entries than the per-device outputs have dims",
+            "Give each output at most one entry per dim; to stack rank-0 results, return "
+            "them with a leading dim of size 1 (e.g. `x[None]`).",
+        ),
+    ):
+        if rows:
+            raise ValueError(leaf_error(f"`{_VERB}` got `out_specs` {header}:", rows, fix))

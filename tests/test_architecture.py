@@ -1,0 +1,190 @@
+"""The package's layering (ARCHITECTURE.md), read from its imports: every import goes down
+the layers or stays in its own folder, no import cycle, no file much over 300 lines, and
+private JAX API only in `_compat`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "eqxshard"
+
+# Lower numbers are lower layers; a folder may import its own modules and lower layers.
+# `_mapping` and `_shard_map` share a layer: siblings, neither imports the other.
+LAYERS = {
+    "_compat": 0,
+    "_tree": 0,
+    "_placement": 1,
+    "_mapping": 2,
+    "_shard_map": 2,
+    "_plans": 3,
+    "_step": 4,
+    "_checkpoint": 5,
+    "_processes": 6,
+    "launch": 7,
+    "__init__": 7,
+}
+MAX_LINES = 320  # "about 300": a file past this is two concepts
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The eqxshard modules `name` imports at run time (imports in `if TYPE_CHECKING:`
+    blocks are for annotations only and are left out)."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            candidates = [f"{module}.{a.name}" for a in node.names] + [module]
+        elif isinstance(node, ast.Import):
+            candidates = [a.name for a in node.names]
+        else:
+            candidates = []
+        for c in candidates:
+            if c in modules and c != name:
+                found.add(c)
+                break
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _component(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    unplaced = sorted(m for m in _modules() if _component(m) not in LAYERS)
+    assert not unplaced, f"modules outside every layer of ARCHITECTURE.md: {unplaced}"
+
+
+def test_imports_go_down_the_layers() -> None:
+    wrong = []
+    for module, imported in _graph().items():
+        for other in imported:
+            a, b = _component(module), _component(other)
+            if a == b:
+                continue
+            if LAYERS[b] > LAYERS[a] or (LAYERS[b] == LAYERS[a] and a != b):
+                wrong.append(f"{module} -> {other}")
+    assert not wrong, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(wrong)
+
+
+def test_no_import_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[list[str]] = []
+
+    def walk(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append([*path[path.index(nxt) :], nxt])
+            elif nxt not in state:
+                walk(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_file_over_about_300_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE.parent)): n
+        for p in PACKAGE.rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these by concept (over {MAX_LINES} lines): {long}"
+
+
+def test_private_jax_api_only_in_compat() -> None:
+    offenders = []
+    for module, path in _modules().items():
+        if _component(module) == "_compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            offenders += [
+                f"{module}: {n}"
+                for n in names
+                if n.startswith(("jax._src", "jax.experimental", "jaxlib"))
+            ]
+    assert not offenders, "private or experimental JAX API outside _compat:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_every_folder_says_what_it_owns_and_may_import() -> None:
+    silent = [
+        p.parent.name
+        for p in PACKAGE.glob("_*/__init__.py")
+        if "Imports:" not in (ast.get_docstring(ast.parse(p.read_text())) or "")
+    ]
+    assert not silent, f"folders whose docstring does not say what they may import: {silent}"
+
+
+@pytest.mark.parametrize("folder", ["examples", "benchmarks"])
+def test_examples_and_benchmarks_use_only_public_names(folder: str) -> None:
+    private = []
+    for path in sorted((PACKAGE.parent / folder).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("eqxshard."):
+                private.append(f"{path.name}: from {node.module}")
+            if isinstance(node, ast.Import):
+                private += [
+                    f"{path.name}: import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("eqxshard.")
+                ]
+    assert not private, "import public names from `eqxshard` only:\n" + "\n".join(private)
+
+
+def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
+    # The graph reader resolves relative imports: a module of `_placement` importing
+    # `_plans` must show up as that edge (else the layering test could never fail).
+    modules = {"eqxshard._placement.x": tmp_path / "x.py", "eqxshard._plans.rules": Path()}
+    (tmp_path / "x.py").write_text("from .._plans import rules\nfrom .._plans.rules import a\n")
+    found = _imports("eqxshard._placement.x", tmp_path / "x.py", modules)
+    assert found == {"eqxshard._plans.rules"}
