@@ -26,6 +26,7 @@ from .arrays import (
     traced_sharding as traced_sharding,
     tracing as tracing,
 )
+from .compile import compile_stablehlo as compile_stablehlo
 from .meshes import (
     abstract_mesh as abstract_mesh,
     abstract_mesh_of as abstract_mesh_of,

@@ -1,0 +1,313 @@
+"""`auto_plan`: the layout that fits a per-device budget with the least estimated step time,
+chosen by compiling the user's own step under every candidate layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import tqdm
+from jax.sharding import AbstractMesh, AxisType, Mesh
+
+from .._tree import is_array_like
+from . import (
+    auto_plan_args as args_,
+    auto_plan_rank as rank_,
+    compile_remote,
+    extrapolate,
+    links as links_,
+)
+from .auto_plan_types import Plan
+from .auto_plan_view import mesh_str
+from .candidates import Layout, batch_axes, batch_spec, layouts
+from .measure import Measurement, Placed, Problem, abstract, compile_here, place
+
+# Meshes of up to this many devices are compiled (here, or in a subprocess with that many
+# CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
+COMPILE_LIMIT = 64
+
+# Compiled results, per (step, shapes, mesh shape, rules, where compiled): a second call
+# with the same inputs compiles nothing.
+_CACHE: dict[Any, Measurement] = {}
+
+
+def _hashable(x: Any) -> Any:
+    try:
+        hash(x)
+    except TypeError:
+        return ("id", id(x))
+    return x
+
+
+def _shapes_key(tree: Any) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_array_like)
+    return treedef, tuple(
+        (tuple(x.shape), str(x.dtype)) if is_array_like(x) else _hashable(x) for x in leaves
+    )
+
+
+def _mesh(shape: dict[str, int], devices: list[Any]) -> Mesh | AbstractMesh:
+    n = math.prod(shape.values())
+    types = (AxisType.Auto,) * len(shape)
+    if n <= len(devices):
+        return jax.make_mesh(
+            tuple(shape.values()), tuple(shape), axis_types=types, devices=devices[:n]
+        )
+    return AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=types)
+
+
+def _resize_batch(batch: Any, size: int) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) if is_array_like(x) else x,
+        batch,
+        is_leaf=is_array_like,
+    )
+
+
+@dataclasses.dataclass
+class _Job:
+    """A candidate between placing and measuring: its exact parts, the mesh it is
+    compiled on and its arguments there (`small` when that mesh is a smaller one)."""
+
+    layout: Layout
+    exact: dict[str, int]
+    compile_shape: dict[str, int] | None = None
+    placed: Placed | None = None
+    small: dict[str, int] | None = None
+    key: Any = None
+    rejected: str = ""
+    where: str = ""
+
+
+def auto_plan(
+    step: Callable[..., Any],
+    model: Any,
+    batch: Any,
+    *,
+    devices: int | Sequence[Any] | Sequence[int] | AbstractMesh,
+    budget: int | float | str | None = None,
+    optimizer: Any = None,
+    rules: Sequence[Any] = (),
+    links: Any = None,
+    flops_per_second: float = links_.DEFAULT_FLOPS,
+    compile_limit: int = COMPILE_LIMIT,
+    progress: bool | None = None,
+) -> Plan:
+    """Chooses the layout of `model` (and its optimiser state and batch) over `devices`
+    that fits `budget` bytes per device with the least estimated step time.
+
+    Every factorisation of the device count into mesh axes `data`, `fsdp` and `model`
+    (size-1 axes dropped) is tried with the rule families built from eqxshard's rules:
+    data parallel (parameters replicated, `P()`), FSDP (`fsdp("fsdp")`), tensor parallel
+    (matmul weights split over `model`, in-projections on their output dim and
+    out-projections on their input dim, found from the model's structure and shapes, so
+    that each pair needs one collective) and FSDP x TP, plus each of `rules` on every
+    mesh. The batch's leading dim is split over the `data` and `fsdp` axes.
+
+    Each candidate's step is compiled (`jax.jit(...).lower(...).compile()`, nothing
+    allocated) and measured: bytes per device from `memory_analysis()` (split into
+    parameters, gradients, optimiser state, batch and activations), the bytes each
+    collective of the HLO moves, turned into seconds by an alpha-beta model over each
+    axis' `Link`, and compute seconds from `cost_analysis()` flops. Meshes of up to
+    `compile_limit` devices are compiled (in a subprocess with that many CPU devices when
+    this process has fewer); larger ones are scaled from a smaller mesh and marked as
+    estimates. Results are cached: a second call with the same inputs is fast.
+
+    **Arguments:**
+
+    - `step`: the training step: with `optimizer`, `step(model, opt_state, batch)`
+        returning `(model, opt_state, loss)`; without, `step(model, batch)` returning
+        anything (an evaluation, say).
+    - `model`: the model, concrete or abstract (`eqx.filter_eval_shape`).
+    - `batch`: one step's batch: a PyTree of arrays or `jax.ShapeDtypeStruct`s sharing a
+        leading (batch) dim.
+    - `devices`: how many devices to plan for:
+        - an int (more than this machine has is allowed: the plan's mesh is then an
+            `AbstractMesh`);
+        - a list of `jax.Device`s (the plan's mesh is over them);
+        - a mesh shape such as `(64, 8)` or an `AbstractMesh`: only its size is used.
+    - `budget`: bytes per device: an int, or a string like `"16GiB"` or `"80GB"`.
+        `None` takes the device's `memory_stats()["bytes_limit"]` less 10% headroom
+        (CPU devices report none: pass a budget).
+    - `optimizer`: an optax transformation (`optax.adamw(...)`), whose state the step
+        takes and which the plan lays out like the model; `None` for a step without one.
+    - `rules`: more candidate rules (any `spec` form), each tried on every mesh shape.
+    - `links`: the link of each mesh axis, for the time estimate: a preset name from
+        `eqxshard.LINKS` (`"nvlink4"`, `"infiniband_ndr"`, `"intra_node"`, ...), an
+        `eqxshard.Link(bandwidth, latency)`, or a dict `{axis: preset or Link}` (e.g.
+        `{"data": "inter_node"}`); `None` is `"intra_node"` on every axis.
+    - `flops_per_second`: what one device computes per second (default 4e14).
+    - `compile_limit`: the most devices a candidate is compiled on (default 64).
+    - `progress`: show a progress bar (`None`: when standard error is a terminal).
+
+    **Returns:**
+
+    A `Plan`: `plan.mesh`, `plan.rules`, `plan.batch_spec`, `plan.shard(...)`,
+    `plan.init(...)`, and `plan.table`, every `Candidate` ranked with its figures and
+    the reason it was or was not chosen. `print(plan)` shows the table.
+
+    **Raises:**
+
+    - `TypeError`: if `step` is not callable, or `devices`, `budget`, `optimizer` or
+        `links` is of the wrong type.
+    - `ValueError`: if `devices` or `budget` is not positive, `budget` cannot be read or
+        found, `step` fails to trace (with the error it raised), `batch` has no common
+        leading dim; and if no candidate fits, naming the smallest footprint found,
+        what dominates it and what would help.
+
+    !!! Example
+
+        ```python
+        model = eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0))
+        optimizer = optax.adamw(1e-3)
+
+        def step(model, opt_state, batch):
+            loss, grads = eqx.filter_value_and_grad(
+                lambda m: jnp.mean((jax.vmap(m)(batch) - batch) ** 2)
+            )(model)
+            updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+            return eqx.apply_updates(model, updates), opt_state, loss
+
+        batch = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+        plan = eqxshard.auto_plan(step, model, batch, devices=4, budget="1MiB", optimizer=optimizer)
+        print(plan)
+        ```
+    """
+    n, available = args_.resolve_devices(devices)
+    budget_bytes = args_.resolve_budget(budget, available)
+    args_.check_optimizer(optimizer)
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise TypeError(f"`auto_plan` takes `rules` as a list of rules, but got {rules!r}.")
+    if isinstance(compile_limit, bool) or not isinstance(compile_limit, int) or compile_limit < 1:
+        raise ValueError(
+            f"`auto_plan` takes `compile_limit` as an int >= 1, but got {compile_limit!r}."
+        )
+    axis_links = links_.resolve_links(links, ("data", "fsdp", "model"))
+    model_abs = abstract(model)
+    batch_abs = abstract(batch)
+    size = args_.batch_size(batch_abs)
+    opt_abs = None
+    if optimizer is not None:
+        opt_abs = jax.eval_shape(optimizer.init, eqx.filter(model_abs, is_array_like))
+    args_.trace_step(step, model_abs, opt_abs, batch_abs, optimizer is not None)
+    problem = Problem(step, model_abs, opt_abs, batch_abs)
+    problem_key = (step, _shapes_key(model_abs), _shapes_key(opt_abs), _shapes_key(batch_abs))
+    local = len(available)
+    reach = max(compile_limit, 1)
+    jobs = [
+        _place(problem, layout, size, reach, available, budget_bytes)
+        for layout in layouts(model_abs, n, list(rules))
+    ]
+    _measure_all(problem, problem_key, jobs, local, progress)
+    candidates = [
+        rank_.candidate(
+            job.layout,
+            job.exact,
+            job.rejected,
+            _CACHE.get(job.key) if job.key is not None else None,
+            None if job.small is None else (job.small, job.placed),  # type: ignore[arg-type]
+            job.where,
+            budget_bytes,
+            axis_links,
+            flops_per_second,
+        )
+        for job in jobs
+    ]
+    table = rank_.rank(candidates, budget_bytes)
+    if not table[0].fits:
+        raise rank_.nothing_fits(table, budget_bytes, n, size)
+    return Plan(
+        mesh=_mesh(table[0].mesh_shape, available),
+        rules=table[0].rules,
+        batch_spec=batch_spec(table[0].mesh_shape),
+        table=table,
+        budget=budget_bytes,
+    )
+
+
+def _place(
+    problem: Problem,
+    layout: Layout,
+    size: int,
+    reach: int,
+    available: list[Any],
+    budget: int,
+) -> _Job:
+    """Lays the candidate out on its mesh (exact bytes of the known parts), and on the
+    mesh it will be compiled on: itself, or a smaller one when it has more than `reach`
+    devices."""
+    shape = layout.shape
+    axes = batch_axes(shape)
+    ways = math.prod(shape[a] for a in axes)
+    if size % ways:
+        why = f"the batch of {size} does not split over {ways} devices ({' x '.join(axes)})"
+        return _Job(layout, {}, rejected=why)
+    try:
+        big = place(
+            problem, _mesh(shape, available), layout.rules, problem.batch, batch_spec(shape)
+        )
+    except (ValueError, TypeError) as e:
+        return _Job(layout, {}, rejected=str(e).splitlines()[0])
+    exact = {"parameters": big.parameters}
+    if problem.trains:
+        exact |= {"gradients": big.gradients, "optimizer state": big.opt_state}
+    exact["batch"] = big.batch
+    known = sum(exact.values())
+    if known > budget:
+        why = f"{args_.over_budget(known, budget)} before activations"
+        return _Job(layout, exact, rejected=why)
+    if layout.devices <= reach:
+        return _Job(layout, exact, shape, big)
+    small = extrapolate.reduced_shape(shape, reach)
+    small_ways = math.prod(small[a] for a in batch_axes(small))
+    batch = _resize_batch(problem.batch, size // ways * small_ways)
+    placed = place(problem, _mesh(small, available), layout.rules, batch, batch_spec(small))
+    return _Job(layout, exact, small, placed, small=small)
+
+
+def _measure_all(
+    problem: Problem, problem_key: Any, jobs: list[_Job], local: int, progress: bool | None
+) -> None:
+    """Compiles every job not in the cache: here when this process has the devices, else
+    in one subprocess per device count."""
+    pending: dict[Any, _Job] = {}
+    for job in jobs:
+        if job.compile_shape is None or job.placed is None:
+            continue
+        user = _hashable(job.layout.rules) if job.layout.name.startswith("rules") else None
+        shape = tuple(job.compile_shape.items())
+        job.key = (
+            problem_key,
+            shape,
+            repr(job.layout.rules),
+            user,
+            _shapes_key(job.placed.args[2]),
+        )
+        count = math.prod(job.compile_shape.values())
+        job.where = (
+            "compiled here"
+            if count <= local
+            else f"compiled on {count} CPU devices in a subprocess"
+        )
+        if job.key not in _CACHE:
+            pending.setdefault(job.key, job)
+    here = [j for j in pending.values() if math.prod(j.compile_shape.values()) <= local]  # type: ignore[union-attr]
+    remote = [j for j in pending.values() if j not in here]
+    disable = None if progress is None else not progress
+    with tqdm.tqdm(total=len(pending), desc="auto_plan", disable=disable, leave=False) as bar:
+        for job in here:
+            assert job.compile_shape is not None and job.placed is not None
+            bar.set_postfix_str(f"{job.layout.name} {mesh_str(job.compile_shape)}")
+            _CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
+            bar.update()
+        if remote:
+            work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
+            for job, measured in zip(
+                remote, compile_remote.compile_all(problem, work), strict=True
+            ):  # type: ignore[arg-type]
+                _CACHE[job.key] = measured
+                bar.update()

@@ -1,0 +1,187 @@
+"""From measurements to the ranked table: each candidate's parts, times and verdict, and
+the error when nothing fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .._tree import format_bytes
+from . import extrapolate, links as links_
+from .auto_plan_types import Candidate
+from .auto_plan_view import mesh_str, seconds_str
+from .candidates import Layout
+from .measure import Measurement, Placed
+
+
+def candidate(
+    layout: Layout,
+    exact: dict[str, int],
+    rejected: str,
+    measured: Measurement | None,
+    small: tuple[dict[str, int], Placed] | None,
+    where: str,
+    budget: int,
+    links: dict[str, links_.Link],
+    flops_per_second: float,
+) -> Candidate:
+    """One row of the table, unranked (`rank` 0)."""
+    if measured is None:
+        known = sum(exact.values()) if exact else None
+        return Candidate(
+            rank=0,
+            name=layout.name,
+            mesh_shape=dict(layout.shape),
+            rules=layout.rules,
+            bytes=dict(exact),
+            total_bytes=known,
+            collectives={},
+            communication_time=None,
+            compute_time=None,
+            time=None,
+            fits=False,
+            estimated=False,
+            measured_on="not compiled",
+            reason=rejected,
+        )
+    if small is None:
+        parts = dict(exact)
+        parts["activations"] = max(measured.total - sum(exact.values()), 0)
+        total, flops, found = (
+            max(measured.total, sum(parts.values())),
+            measured.flops,
+            measured.collectives,
+        )
+        estimated = False
+    else:
+        shape, placed = small
+        known_small = {
+            "parameters": placed.parameters,
+            "gradients": placed.gradients,
+            "optimizer state": placed.opt_state,
+            "batch": placed.batch,
+        }
+        pairs = {k: (known_small[k], v) for k, v in exact.items()}
+        parts, flops, found = extrapolate.scale(measured, shape, layout.shape, pairs)
+        total, estimated = sum(parts.values()), True
+        where = f"estimated from a compile on {mesh_str(shape)} ({where})"
+    sent: dict[str, int] = {}
+    comm = 0.0
+    for c in found:
+        moved, _ = links_.traffic(c.kind, c.bytes, c.group_size)
+        sent[c.kind] = sent.get(c.kind, 0) + int(moved * c.count)
+        comm += c.count * links_.seconds(c.kind, c.bytes, c.group_size, c.axes, links)
+    compute = flops / flops_per_second
+    order = {
+        k: sent[k]
+        for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+        if k in sent
+    }
+    return Candidate(
+        rank=0,
+        name=layout.name,
+        mesh_shape=dict(layout.shape),
+        rules=layout.rules,
+        bytes=parts,
+        total_bytes=int(total),
+        collectives=order,
+        communication_time=comm,
+        compute_time=compute,
+        time=comm + compute,
+        fits=total <= budget,
+        estimated=estimated,
+        measured_on=where,
+        reason=rejected or layout.note,
+    )
+
+
+def _dominant(c: Candidate) -> tuple[str, int]:
+    return max(c.bytes.items(), key=lambda kv: kv[1])
+
+
+def _slower(c: Candidate, best: Candidate) -> str:
+    """Why a fitting candidate lost to `best`: its time, and which part of it is longer."""
+    ratio = (c.time or 0) / (best.time or 1)
+    if ratio < 1.005:
+        return "fits, as fast as the chosen one (a tie: it goes to less memory, fewer axes)"
+    why = []
+    extra = sum(c.collectives.values()) - sum(best.collectives.values())
+    if extra > 0:
+        why.append(f"{format_bytes(extra)} more sent per device")
+    if (c.communication_time or 0) > (best.communication_time or 0):
+        why.append(
+            f"communication {seconds_str(c.communication_time)} vs "
+            f"{seconds_str(best.communication_time)}"
+        )
+    if (c.compute_time or 0) > (best.compute_time or 0) * 1.005:
+        why.append(f"compute {seconds_str(c.compute_time)} vs {seconds_str(best.compute_time)}")
+    return f"fits, but {ratio:.2f}x the chosen step time: {', '.join(why)}"
+
+
+def rank(candidates: list[Candidate], budget: int) -> list[Candidate]:
+    """Fitting candidates fastest first, then the others smallest first; with reasons."""
+    # Ties (within 0.5%) go to the smaller footprint, then to the mesh with fewer axes.
+    fits = sorted(
+        (c for c in candidates if c.fits),
+        key=lambda c: (
+            round(math.log(max(c.time or 0, 1e-12)) / 0.005),
+            c.total_bytes,
+            len(c.mesh_shape),
+        ),
+    )
+    measured = sorted(
+        (c for c in candidates if not c.fits and c.time is not None),
+        key=lambda c: c.total_bytes or 0,
+    )
+    rest = [c for c in candidates if not c.fits and c.time is None]
+    rest.sort(key=lambda c: math.inf if c.total_bytes is None else c.total_bytes)
+    table = []
+    best = fits[0] if fits else None
+    for c in fits + measured + rest:
+        reason = c.reason
+        if c is best:
+            spare = format_bytes(budget - (c.total_bytes or 0))
+            why = (
+                "the only one that fits"
+                if len(fits) == 1
+                else f"the fastest of {len(fits)} that fit"
+            )
+            reason = f"chosen: fits with {spare} to spare; {why}"
+        elif c.fits and best is not None and best.time:
+            reason = _slower(c, best)
+        elif c.time is not None:
+            part, size = _dominant(c)
+            over = format_bytes((c.total_bytes or 0) - budget)
+            reason = f"over budget by {over} (most is {part}: {format_bytes(size)})"
+        if c.time is not None and c.reason and c.reason not in reason:
+            reason = f"{reason}; {c.reason}"  # the layout's note
+        table.append(dataclasses.replace(c, rank=len(table) + 1, reason=reason))
+    return table
+
+
+def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> ValueError:
+    measured = [c for c in table if c.total_bytes is not None]
+    if not measured:
+        reasons = "\n".join(f"  {c.name} on {mesh_str(c.mesh_shape)}: {c.reason}" for c in table)
+        return ValueError(
+            f"`auto_plan` could not build any layout of {n} devices:\n{reasons}\n"
+            "Make the batch divisible by the device count, or pass `rules=` that suit the model."
+        )
+    smallest = min(measured, key=lambda c: c.total_bytes or 0)
+    part, part_bytes = _dominant(smallest)
+    helps = [f"more devices (now {n})"]
+    if part in ("activations", "batch"):
+        ways = math.prod(smallest.mesh_shape.get(a, 1) for a in ("data", "fsdp"))
+        helps += [
+            "activation checkpointing in `step` (`eqx.filter_checkpoint` or `jax.checkpoint` "
+            "around each block)",
+            f"a smaller batch (now {size}, {size // ways} per device)",
+        ]
+    else:
+        helps += ["a smaller optimiser state (e.g. bfloat16 moments)", "lower-precision parameters"]
+    return ValueError(
+        f"`auto_plan`: no layout of {n} devices fits `budget` = {format_bytes(budget)} per "
+        f"device. The smallest footprint is {format_bytes(smallest.total_bytes or 0)} per device "
+        f"({smallest.name} on {mesh_str(smallest.mesh_shape)}), most of it {part} "
+        f"({format_bytes(part_bytes)}). What would help: {'; '.join(helps)}."
+    )

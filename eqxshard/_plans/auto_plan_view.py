@@ -1,0 +1,143 @@
+"""How a `Plan` shows itself: a text table for `print`, and for a notebook an HTML table
+under an SVG chart of each candidate's bytes per device against the budget (drawn here,
+no plotting library needed)."""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING
+
+from .._tree import format_bytes
+
+if TYPE_CHECKING:
+    from .auto_plan_types import Candidate, Plan
+
+PARTS = ("parameters", "gradients", "optimizer state", "batch", "activations")
+_COLOURS = ("#4878d0", "#6acc64", "#ee854a", "#956cb4", "#d65f5f")
+_SHORT = {
+    "all-reduce": "AR",
+    "all-gather": "AG",
+    "reduce-scatter": "RS",
+    "all-to-all": "A2A",
+    "collective-permute": "CP",
+}
+
+
+def mesh_str(shape: dict[str, int]) -> str:
+    return " x ".join(f"{a}={s}" for a, s in shape.items())
+
+
+def seconds_str(t: float | None) -> str:
+    if t is None:
+        return "-"
+    if t >= 1:
+        return f"{t:.2f} s"
+    if t >= 1e-3:
+        return f"{t * 1e3:.2f} ms"
+    return f"{t * 1e6:.1f} us"
+
+
+def _bytes(c: Candidate, part: str) -> str:
+    if part not in c.bytes:
+        return "-"
+    return ("~" if c.estimated and part == "activations" else "") + format_bytes(c.bytes[part])
+
+
+def collectives_str(c: Candidate) -> str:
+    moved = [(k, v) for k, v in c.collectives.items() if v]
+    if not moved:
+        return "none" if c.total_bytes is not None else "-"
+    mark = "~" if c.estimated else ""
+    return ", ".join(f"{_SHORT[k]} {mark}{format_bytes(v)}" for k, v in moved)
+
+
+def rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
+    parts = [p for p in PARTS if any(p in c.bytes for c in plan.table)]
+    header = ["#", "layout", "mesh", *parts, "total", "sent per device", "time", "verdict"]
+    body = []
+    for c in plan.table:
+        total = "-" if c.total_bytes is None else format_bytes(c.total_bytes)
+        body.append(
+            [
+                str(c.rank),
+                c.name,
+                mesh_str(c.mesh_shape),
+                *[_bytes(c, p) for p in parts],
+                ("~" if c.estimated else "") + total,
+                collectives_str(c),
+                seconds_str(c.time),
+                c.reason,
+            ]
+        )
+    return header, body
+
+
+def text(plan: Plan) -> str:
+    header, body = rows(plan)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header) - 1)]
+    lines = [plan.summary(), ""]
+    for r in [header, *body]:
+        cells = [r[i].ljust(widths[i]) for i in range(len(widths))]
+        lines.append("  ".join(cells) + "  " + r[-1])
+    if any(c.estimated for c in plan.table):
+        lines.append("~ estimated from a compile on fewer devices (see `Candidate.measured_on`).")
+    return "\n".join(lines)
+
+
+def svg(plan: Plan, width: int = 640) -> str:
+    """Stacked bars of bytes per device by part, one per measured candidate, and the budget
+    as a red line."""
+    shown = [c for c in plan.table if c.total_bytes is not None]
+    if not shown:
+        return ""
+    label_w, bar_h, gap, top = 190, 14, 6, 22
+    scale_max = max([plan.budget, *(c.total_bytes or 0 for c in shown)]) * 1.05
+    span = width - label_w - 10
+    height = top + len(shown) * (bar_h + gap) + 10
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif" font-size="11">'
+    ]
+    x = label_w
+    for part, colour in zip(PARTS, _COLOURS, strict=True):
+        out.append(f'<rect x="{x}" y="4" width="10" height="10" fill="{colour}"/>')
+        out.append(f'<text x="{x + 13}" y="13">{part}</text>')
+        x += 16 + 6 * len(part) + 8
+    for k, c in enumerate(shown):
+        y = top + k * (bar_h + gap)
+        label = html.escape(f"{c.rank}. {c.name} ({mesh_str(c.mesh_shape)})")
+        out.append(f'<text x="0" y="{y + bar_h - 3}">{label}</text>')
+        x0 = float(label_w)
+        for part, colour in zip(PARTS, _COLOURS, strict=True):
+            w = c.bytes.get(part, 0) / scale_max * span
+            if w > 0:
+                tip = html.escape(f"{part}: {format_bytes(c.bytes[part])}")
+                out.append(
+                    f'<rect x="{x0:.1f}" y="{y}" width="{w:.1f}" height="{bar_h}" '
+                    f'fill="{colour}" opacity="{1.0 if c.fits else 0.45}">'
+                    f"<title>{tip}</title></rect>"
+                )
+                x0 += w
+    bx = label_w + plan.budget / scale_max * span
+    out.append(
+        f'<line x1="{bx:.1f}" y1="{top - 4}" x2="{bx:.1f}" y2="{height - 4}" stroke="red" '
+        'stroke-dasharray="4 2"/>'
+    )
+    out.append(
+        f'<text x="{bx - 4:.1f}" y="{height - 1}" fill="red" text-anchor="end">budget '
+        f"{html.escape(format_bytes(plan.budget))}</text>"
+    )
+    out.append("</svg>")
+    return "".join(out)
+
+
+def to_html(plan: Plan) -> str:
+    header, body = rows(plan)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    trs = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in r) + "</tr>" for r in body
+    )
+    return (
+        f"<div><p>{html.escape(plan.summary())}</p>{svg(plan)}"
+        f"<table><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table></div>"
+    )

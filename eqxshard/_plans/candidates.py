@@ -1,0 +1,209 @@
+"""The layouts `auto_plan` tries: every mesh shape (data x fsdp x model) crossed with the
+rule families built from eqxshard's own rules, and the user's rules.
+
+Tensor parallelism is found from the model's structure and shapes: the width `W` of the
+residual stream is the embedding size (or the input size of the first `Linear`); a
+`Linear` or `Embedding` weight `(out, in)` that reads `W` (`in == W`) is an
+in-projection, split on its output dim; one that writes `W` (`out == W`) is an
+out-projection, split on its input dim. Square `W x W` weights that share a parent
+module (attention's query, key, value and output projections) are in-projections but the
+last, which is their out-projection. Each in/out pair then needs one collective (an
+all-reduce of the out-projection's partial sums), as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import PartitionSpec as P
+
+from .._tree import Path, is_array_like
+from .fsdp import fsdp
+from .rules import Rule, dotted_path, path_rules
+
+AXES = ("data", "fsdp", "model")
+
+
+def factorisations(n: int) -> list[tuple[int, int, int]]:
+    """Every (data, fsdp, model) with product `n`."""
+    out = []
+    for d in range(1, n + 1):
+        if n % d:
+            continue
+        for f in range(1, n // d + 1):
+            if (n // d) % f == 0:
+                out.append((d, f, n // d // f))
+    return out
+
+
+def mesh_shape(sizes: tuple[int, int, int]) -> dict[str, int]:
+    """Axis name -> size, size-1 axes dropped (one `data` axis of size 1 for one device)."""
+    shape = {a: s for a, s in zip(AXES, sizes, strict=True) if s > 1}
+    return shape or {"data": 1}
+
+
+def family(shape: dict[str, int]) -> str:
+    names = {"data": "DP", "fsdp": "FSDP", "model": "TP"}
+    return " x ".join(names[a] for a in AXES if shape.get(a, 1) > 1) or "DP"
+
+
+def batch_axes(shape: dict[str, int]) -> tuple[str, ...]:
+    return tuple(a for a in ("data", "fsdp") if a in shape)
+
+
+def batch_spec(shape: dict[str, int]) -> P:
+    axes: list[Any] = list(batch_axes(shape))
+    if not axes:
+        return P()
+    return P(tuple(axes)) if len(axes) > 1 else P(axes[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A matmul weight's part in tensor parallelism: the dim split over `model`."""
+
+    dim: int
+    kind: str  # "in" (split on the output dim), "out" (on the input dim), "bias"
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    return None
+
+
+def tensor_parallel_roles(model: Any) -> dict[str, Role]:
+    """The dotted path of each matmul weight (and in-projection bias) -> its role."""
+    weights: list[tuple[Path, Any, Any]] = []  # (path, leaf, its module)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_array_like)[0]:
+        if not is_array_like(leaf) or not path:
+            continue
+        parent: Any = model
+        for key in path[:-1]:
+            parent = _child(parent, key)
+        if isinstance(parent, eqx.nn.Linear | eqx.nn.Embedding):
+            weights.append((path, leaf, parent))
+    embeddings = [leaf for _, leaf, m in weights if isinstance(m, eqx.nn.Embedding)]
+    matrices = [(p, x, m) for p, x, m in weights if len(x.shape) == 2]
+    if embeddings and len(embeddings[0].shape) == 2:
+        width = embeddings[0].shape[1]
+    elif matrices:
+        width = matrices[0][1].shape[1]
+    else:
+        return {}
+    roles: dict[str, Role] = {}
+    square: dict[Path, list[Path]] = {}  # the grandparent (the module holding the Linear)
+    for path, leaf, module in matrices:
+        out_dim, in_dim = leaf.shape
+        if isinstance(module, eqx.nn.Embedding) or (in_dim == width and out_dim != width):
+            roles[dotted_path(path)] = Role(0, "in")
+        elif out_dim == width and in_dim != width:
+            roles[dotted_path(path)] = Role(1, "out")
+        elif out_dim == in_dim == width:
+            square.setdefault(tuple(path[:-2]), []).append(path)
+    for group in square.values():
+        if len(group) < 2:
+            continue  # a lone square weight has no partner: left whole
+        for path in group[:-1]:
+            roles[dotted_path(path)] = Role(0, "in")
+        roles[dotted_path(group[-1])] = Role(1, "out")
+    for path, leaf, _ in weights:
+        weight = dotted_path(path[:-1] + (jax.tree_util.GetAttrKey("weight"),))
+        if len(leaf.shape) == 1 and roles.get(weight, Role(0, "")).kind == "in":
+            roles[dotted_path(path)] = Role(0, "bias")
+    return roles
+
+
+def _pattern(path: str) -> str:
+    parts = [r"\d+" if p.isdigit() else re.escape(p) for p in path.split(".")]
+    return r"(?:.*\.)?" + r"\.".join(parts)
+
+
+def tensor_parallel_rule(
+    model: Any, roles: dict[str, Role], shape: dict[str, int]
+) -> tuple[Rule, list[str]] | None:
+    """The TP (or FSDP x TP, when `shape` has `fsdp`) rule for `shape`, with the weights
+    left whole because their dim does not divide; None if no weight can be split."""
+    m, f = shape.get("model", 1), shape.get("fsdp", 1)
+    specs: dict[str, P] = {}
+    skipped = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_array_like)[0]:
+        text = dotted_path(path)
+        role = roles.get(text)
+        if role is None or not is_array_like(leaf):
+            continue
+        dims = list(leaf.shape)
+        if dims[role.dim] % m:
+            skipped.append(text)
+            continue
+        entries: list[Any] = [None] * len(dims)
+        entries[role.dim] = "model"
+        if f > 1 and len(dims) == 2 and dims[1 - role.dim] % f == 0:
+            entries[1 - role.dim] = "fsdp"
+        specs[text] = P(*entries)
+    if not specs:
+        return None
+    # One pattern per path with its layer indices written `\d+`, where every layer agrees.
+    grouped: dict[str, set[P]] = {}
+    for text, spec in specs.items():
+        grouped.setdefault(_pattern(text), set()).add(spec)
+    entries_out: list[tuple[str, P]] = []
+    for text, spec in specs.items():
+        general = _pattern(text)
+        if len(grouped[general]) == 1:
+            if all(general != g for g, _ in entries_out):
+                entries_out.append((general, spec))
+        else:
+            entries_out.append((r"(?:.*\.)?" + re.escape(text), spec))
+    if f > 1:
+        return path_rules(entries_out) | fsdp("fsdp"), skipped
+    return path_rules([*entries_out, (".*", P())]), skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A candidate before measuring: a mesh shape, a rule, and where it came from."""
+
+    name: str
+    shape: dict[str, int]
+    rules: Any
+    note: str = ""
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.shape.values())
+
+
+def layouts(model: Any, n: int, user_rules: list[Any]) -> list[Layout]:
+    """Every candidate layout for `n` devices: built-in families, then the user's rules."""
+    roles = tensor_parallel_roles(model)
+    out = []
+    for sizes in factorisations(n):
+        shape = mesh_shape(sizes)
+        name = family(shape)
+        if "model" in shape:
+            built = tensor_parallel_rule(model, roles, shape)
+            if built is not None:  # else no matmul weight splits over this many devices
+                rule, skipped = built
+                note = (
+                    f"{len(skipped)} weights left whole (not divisible by {shape['model']})"
+                    if skipped
+                    else ""
+                )
+                out.append(Layout(name, shape, rule, note))
+        elif "fsdp" in shape:
+            out.append(Layout(name, shape, fsdp("fsdp")))
+        else:
+            out.append(Layout(name, shape, P()))
+        for k, rule in enumerate(user_rules):
+            out.append(Layout(f"rules[{k}]", shape, rule))
+    return out

@@ -1,0 +1,201 @@
+"""One candidate measured from its compiled step: bytes per device, flops, collectives.
+
+The step is compiled exactly as the user will run it under the plan: the model and the
+optimiser state laid out by the candidate's rule (and donated, so that the new ones reuse
+their buffers), the batch split over the data axes, and the new model and state kept in
+the same layout. Nothing is allocated: every argument is a `jax.ShapeDtypeStruct`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
+
+from .._placement import place as place_
+from .._tree import is_array_like
+from .collectives import Collective, collectives
+from .plan import plan_shardings
+
+# Compile without LLVM's optimisations: the code is never run, and the figures read here
+# (buffer sizes, flops, collectives) come from the HLO passes before it. A third faster.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """What `auto_plan` was given, as shapes: the step, the model, the optimiser state
+    (None without an optimiser) and the batch."""
+
+    step: Callable[..., Any]
+    model: Any
+    opt_state: Any
+    batch: Any
+
+    @property
+    def trains(self) -> bool:
+        return self.opt_state is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What a compile tells: `memory_analysis()` per device, flops per device from
+    `cost_analysis()`, and the collectives of the HLO."""
+
+    memory: dict[str, int]
+    flops: float
+    collectives: tuple[Collective, ...]
+
+    @property
+    def total(self) -> int:
+        m = self.memory
+        return m["argument"] + m["output"] - m["alias"] + m["temp"]
+
+
+def abstract(tree: Any) -> Any:
+    """`tree` with each array leaf a `jax.ShapeDtypeStruct` without sharding."""
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if is_array_like(x) else x,
+        tree,
+        is_leaf=is_array_like,
+    )
+
+
+def placed(tree: Any, mesh: Mesh | AbstractMesh, spec: Any) -> tuple[Any, Any, int, int]:
+    """`tree`'s array leaves as `ShapeDtypeStruct`s laid out by `spec`, their shardings
+    (a tree), the bytes of them on one device, and of the floating-point ones."""
+    flat, shardings = plan_shardings("auto_plan", tree, mesh, spec, sync=False)
+    leaves: dict[int, Any] = {}
+    total = inexact = 0
+    for i in flat.array_indices:
+        x, s = flat.leaves[i], shardings.get(i)
+        if s is None:
+            s = NamedSharding(mesh, jax.sharding.PartitionSpec())
+        leaves[i] = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        size = math.prod(s.shard_shape(tuple(x.shape))) * x.dtype.itemsize
+        total += size
+        inexact += size if jnp.issubdtype(x.dtype, jnp.inexact) else 0
+    tree_out = flat.rebuild(leaves)
+    sharding_tree = flat.rebuild({i: leaves[i].sharding for i in leaves})
+    return tree_out, sharding_tree, total, inexact
+
+
+def _constrain(tree: Any, shardings: Any) -> Any:
+    arrays, rest = eqx.partition(tree, eqx.is_array)
+    wanted, _ = eqx.partition(shardings, lambda s: isinstance(s, jax.sharding.Sharding))
+    try:
+        arrays = jax.tree.map(
+            lambda x, s: x if s is None else place_.relayout(x, s),
+            arrays,
+            wanted,
+            is_leaf=lambda x: x is None,
+        )
+    except ValueError:  # the step changed the tree's structure: leave XLA to choose
+        return tree
+    return eqx.combine(arrays, rest)
+
+
+def program(
+    problem: Problem, model_shardings: Any, opt_shardings: Any, static: Any
+) -> Callable[..., Any]:
+    """The step as one function of array trees, the new model and state constrained."""
+
+    def run(model_arrays: Any, opt_state: Any, batch: Any) -> Any:
+        model = eqx.combine(model_arrays, static)
+        if not problem.trains:
+            return eqx.filter(problem.step(model, batch), eqx.is_array)
+        new_model, new_state, loss = problem.step(model, opt_state, batch)
+        new_model = _constrain(new_model, model_shardings)
+        new_state = _constrain(new_state, opt_shardings)
+        return eqx.filter((new_model, new_state, loss), eqx.is_array)
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """A candidate's arguments, laid out: the abstract model arrays, optimiser state and
+    batch with shardings, the model's static part, and bytes per device of each."""
+
+    args: tuple[Any, Any, Any]
+    static: Any
+    model_shardings: Any
+    opt_shardings: Any
+    parameters: int
+    gradients: int
+    opt_state: int
+    batch: int
+
+
+def place(
+    problem: Problem, mesh: Mesh | AbstractMesh, rules: Any, batch: Any, batch_spec: Any
+) -> Placed:
+    model, model_shardings, parameters, gradients = placed(problem.model, mesh, rules)
+    arrays, static = eqx.partition(model, is_array_like)
+    opt_state, opt_shardings, opt_bytes = None, None, 0
+    if problem.trains:
+        opt_state, opt_shardings, opt_bytes, _ = placed(problem.opt_state, mesh, rules)
+    batch_placed, _, batch_bytes, _ = placed(batch, mesh, batch_spec)
+    return Placed(
+        (arrays, opt_state, batch_placed),
+        static,
+        model_shardings,
+        opt_shardings,
+        parameters,
+        gradients,
+        opt_bytes,
+        batch_bytes,
+    )
+
+
+def _jit(problem: Problem, p: Placed) -> Any:
+    run = program(problem, p.model_shardings, p.opt_shardings, p.static)
+    return jax.jit(run, donate_argnums=(0, 1) if problem.trains else ())
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def measurement(memory: Any, flops: float, hlo_text: str, shape: dict[str, int]) -> Measurement:
+    stats = {
+        "argument": int(memory.argument_size_in_bytes),
+        "output": int(memory.output_size_in_bytes),
+        "alias": int(memory.alias_size_in_bytes),
+        "temp": int(memory.temp_size_in_bytes),
+    }
+    return Measurement(stats, flops, tuple(collectives(hlo_text, shape)))
+
+
+def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurement:
+    """Compiles the step on this machine's devices (the placed mesh is a real `Mesh`)."""
+    with warnings.catch_warnings():
+        # A step may return leaves that cannot reuse a donated buffer (a new dtype, say).
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        compiled = _jit(problem, p).lower(*p.args).compile(compiler_options=FAST_COMPILE)
+    memory = compiled.memory_analysis()
+    if memory is None:
+        raise ValueError(
+            "`auto_plan` needs `compiled.memory_analysis()`, which this backend "
+            f"({jax.default_backend()!r}) does not provide."
+        )
+    return measurement(memory, _flops(compiled), compiled.as_text(), shape)
+
+
+def lower_text(problem: Problem, p: Placed) -> str:
+    """The StableHLO of the step on an `AbstractMesh` (no devices), for a compile in a
+    process that has enough of them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        traced = _jit(problem, p).trace(*p.args)
+        return traced.lower(lowering_platforms=("cpu",)).as_text()
