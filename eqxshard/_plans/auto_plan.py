@@ -251,7 +251,7 @@ def _place(
             problem, _mesh(shape, available), layout.rules, problem.batch, batch_spec(shape)
         )
     except (ValueError, TypeError) as e:
-        return _Job(layout, {}, rejected=str(e).splitlines()[0])
+        return _Job(layout, {}, rejected=" ".join(str(e).split())[:300])
     exact = {"parameters": big.parameters}
     if problem.trains:
         exact |= {"gradients": big.gradients, "optimizer state": big.opt_state}

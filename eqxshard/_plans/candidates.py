@@ -136,7 +136,9 @@ def tensor_parallel_rule(
     m, f = shape.get("model", 1), shape.get("fsdp", 1)
     specs: dict[str, P] = {}
     skipped = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_array_like)[0]:
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_array_like)[0]
+    leaves = [(p, x) for p, x in leaves if is_array_like(x)]
+    for path, leaf in leaves:
         text = dotted_path(path)
         role = roles.get(text)
         if role is None or not is_array_like(leaf):
@@ -152,18 +154,19 @@ def tensor_parallel_rule(
         specs[text] = P(*entries)
     if not specs:
         return None
-    # One pattern per path with its layer indices written `\d+`, where every layer agrees.
-    grouped: dict[str, set[P]] = {}
-    for text, spec in specs.items():
-        grouped.setdefault(_pattern(text), set()).add(spec)
+    # One pattern per path with its layer indices written `\d+`, where every leaf it
+    # matches gets that spec; otherwise the path itself.
+    every = {dotted_path(p): specs.get(dotted_path(p)) for p, _ in leaves}
     entries_out: list[tuple[str, P]] = []
     for text, spec in specs.items():
-        general = _pattern(text)
-        if len(grouped[general]) == 1:
-            if all(general != g for g, _ in entries_out):
-                entries_out.append((general, spec))
-        else:
-            entries_out.append((r"(?:.*\.)?" + re.escape(text), spec))
+        for pattern in (_pattern(text), r"(?:.*\.)?" + re.escape(text)):
+            matched = [t for t in every if re.fullmatch(pattern, t)]
+            if all(every[t] == spec for t in matched):
+                if all(pattern != g for g, _ in entries_out):
+                    entries_out.append((pattern, spec))
+                break
+        else:  # another leaf ends the same way: first match wins, this one first
+            entries_out.insert(0, (r"(?:.*\.)?" + re.escape(text), spec))
     if f > 1:
         return path_rules(entries_out) | fsdp("fsdp"), skipped
     return path_rules([*entries_out, (".*", P())]), skipped
