@@ -25,8 +25,8 @@ def compile_stablehlo(text: str, devices: int) -> tuple[dict[str, int], float, s
         device_assignment=np.array(chosen).reshape(1, devices),
         # Never run: skip LLVM's optimisations, as `auto_plan` does for its other compiles.
         env_options_overrides={
-            "xla_backend_optimization_level": "0",
-            "xla_llvm_disable_expensive_passes": "true",
+            "xla_backend_optimization_level": 0,
+            "xla_llvm_disable_expensive_passes": True,
         },
     )
     options.executable_build_options.use_spmd_partitioning = True

@@ -162,6 +162,8 @@ def auto_plan(
     !!! Example
 
         ```python
+        import optax
+
         model = eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0))
         optimizer = optax.adamw(1e-3)
 
