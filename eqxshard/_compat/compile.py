@@ -5,6 +5,11 @@ from __future__ import annotations
 import jax
 
 
+# Never run: skip LLVM's optimisations (typed `dict[str, str]` by JAX, but XLA wants these
+# values as an int and a bool).
+_FAST: dict = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
 def compile_stablehlo(text: str, devices: int) -> tuple[dict[str, int], float, str]:
     """Compiles a StableHLO module lowered on an `AbstractMesh` of `devices` devices, on
     the first `devices` CPU devices of this process (SPMD, one partition per device):
@@ -23,11 +28,7 @@ def compile_stablehlo(text: str, devices: int) -> tuple[dict[str, int], float, s
         num_replicas=1,
         num_partitions=devices,
         device_assignment=np.array(chosen).reshape(1, devices),
-        # Never run: skip LLVM's optimisations, as `auto_plan` does for its other compiles.
-        env_options_overrides={
-            "xla_backend_optimization_level": 0,
-            "xla_llvm_disable_expensive_passes": True,
-        },
+        env_options_overrides=_FAST,  # pyright: ignore[reportArgumentType]
     )
     options.executable_build_options.use_spmd_partitioning = True
     compile_ = getattr(backend, "compile_and_load", None)
