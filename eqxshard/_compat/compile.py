@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 
-
 # Never run: skip LLVM's optimisations (typed `dict[str, str]` by JAX, but XLA wants these
 # values as an int and a bool).
 _FAST: dict = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}

@@ -93,33 +93,38 @@ def tensor_parallel_roles(model: Any) -> dict[str, Role]:
         if isinstance(parent, eqx.nn.Linear | eqx.nn.Embedding):
             weights.append((path, leaf, parent))
     embeddings = [leaf for _, leaf, m in weights if isinstance(m, eqx.nn.Embedding)]
-    matrices = [(p, x, m) for p, x, m in weights if len(x.shape) == 2]
-    if embeddings and len(embeddings[0].shape) == 2:
-        width = embeddings[0].shape[1]
+    # Weights of layers stacked for a scan (`eqx.filter_vmap` over the constructor) have
+    # leading layer dims: the matrix is the last two dims.
+    matrices = [(p, x, m) for p, x, m in weights if len(x.shape) >= 2]
+    if embeddings and len(embeddings[0].shape) >= 2:
+        width = embeddings[0].shape[-1]
     elif matrices:
-        width = matrices[0][1].shape[1]
+        width = matrices[0][1].shape[-1]
     else:
         return {}
     roles: dict[str, Role] = {}
+    path_shape = {tuple(p): tuple(x.shape) for p, x, _ in matrices}
     square: dict[Path, list[Path]] = {}  # the grandparent (the module holding the Linear)
     for path, leaf, module in matrices:
-        out_dim, in_dim = leaf.shape
+        out_dim, in_dim = leaf.shape[-2:]
+        rows, cols = len(leaf.shape) - 2, len(leaf.shape) - 1
         if isinstance(module, eqx.nn.Embedding) or (in_dim == width and out_dim != width):
-            roles[dotted_path(path)] = Role(0, "in")
+            roles[dotted_path(path)] = Role(rows, "in")
         elif out_dim == width and in_dim != width:
-            roles[dotted_path(path)] = Role(1, "out")
+            roles[dotted_path(path)] = Role(cols, "out")
         elif out_dim == in_dim == width:
             square.setdefault(tuple(path[:-2]), []).append(path)
     for group in square.values():
         if len(group) < 2:
             continue  # a lone square weight has no partner: left whole
         for path in group[:-1]:
-            roles[dotted_path(path)] = Role(0, "in")
-        roles[dotted_path(group[-1])] = Role(1, "out")
+            roles[dotted_path(path)] = Role(len(path_shape[path]) - 2, "in")
+        roles[dotted_path(group[-1])] = Role(len(path_shape[group[-1]]) - 1, "out")
     for path, leaf, _ in weights:
-        weight = dotted_path(path[:-1] + (jax.tree_util.GetAttrKey("weight"),))
-        if len(leaf.shape) == 1 and roles.get(weight, Role(0, "")).kind == "in":
-            roles[dotted_path(path)] = Role(0, "bias")
+        weight = path[:-1] + (jax.tree_util.GetAttrKey("weight"),)
+        role = roles.get(dotted_path(weight))
+        if role is not None and role.kind == "in" and len(leaf.shape) == role.dim + 1:
+            roles[dotted_path(path)] = Role(role.dim, "bias")
     return roles
 
 
@@ -149,8 +154,9 @@ def tensor_parallel_rule(
             continue
         entries: list[Any] = [None] * len(dims)
         entries[role.dim] = "model"
-        if f > 1 and len(dims) == 2 and dims[1 - role.dim] % f == 0:
-            entries[1 - role.dim] = "fsdp"
+        other = len(dims) - 1 if role.dim == len(dims) - 2 else len(dims) - 2
+        if f > 1 and role.kind != "bias" and dims[other] % f == 0:
+            entries[other] = "fsdp"
         specs[text] = P(*entries)
     if not specs:
         return None
