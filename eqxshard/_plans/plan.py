@@ -16,7 +16,7 @@ import jax
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
-from .._placement import resolve
+from .._placement import place, resolve
 from .._tree import Flat, is_array_like
 
 
@@ -88,6 +88,12 @@ def _device_groups(indices: list[int], shardings: dict[int, Sharding]) -> list[l
     return ordered
 
 
+def _settled(sharding: Sharding | None) -> Sharding | None:
+    """A concrete output's layout: `P.UNCONSTRAINED` dims not split, as `filter_shard`
+    places them outside `jit` (`jit`'s `out_shardings` refuses them)."""
+    return None if sharding is None else place.settled(sharding)
+
+
 class _Init:
     def __init__(self, fn: Callable[..., Any], target: Any, spec: Any):
         self.fn, self.target, self.spec = fn, target, spec
@@ -108,10 +114,10 @@ class _Init:
 
         # One `jit` per device set the leaves go to (usually one); XLA drops from each
         # the work for the leaves it does not return.
-        jitted = [
-            (group, jax.jit(build(group), out_shardings=[shardings.get(i) for i in group]))
-            for group in _device_groups(flat.array_indices, shardings)
-        ]
+        jitted = []
+        for group in _device_groups(flat.array_indices, shardings):
+            out_shardings = [_settled(shardings.get(i)) for i in group]
+            jitted.append((group, jax.jit(build(group), out_shardings=out_shardings)))
         return flat, jitted, dynamic
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
