@@ -19,35 +19,18 @@ from . import (
     auto_plan_rank as rank_,
     compile_remote,
     extrapolate,
+    flops as flops_,
     links as links_,
 )
 from .auto_plan_types import Plan
 from .auto_plan_view import mesh_str
+from .cache import CACHE as _CACHE, hashable as _hashable, shapes_key as _shapes_key
 from .candidates import Layout, batch_axes, batch_spec, layouts
-from .measure import Measurement, Placed, Problem, abstract, compile_here, place
+from .measure import Placed, Problem, abstract, compile_here, place
 
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
 COMPILE_LIMIT = 64
-
-# Compiled results, per (step, shapes, mesh shape, rules, where compiled): a second call
-# with the same inputs compiles nothing.
-_CACHE: dict[Any, Measurement] = {}
-
-
-def _hashable(x: Any) -> Any:
-    try:
-        hash(x)
-    except TypeError:
-        return ("id", id(x))
-    return x
-
-
-def _shapes_key(tree: Any) -> Any:
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_array_like)
-    return treedef, tuple(
-        (tuple(x.shape), str(x.dtype)) if is_array_like(x) else _hashable(x) for x in leaves
-    )
 
 
 def _mesh(shape: dict[str, int], devices: list[Any]) -> Mesh | AbstractMesh:
@@ -197,6 +180,10 @@ def auto_plan(
         opt_abs = jax.eval_shape(optimizer.init, eqx.filter(model_abs, is_array_like))
     args_.trace_step(step, model_abs, opt_abs, batch_abs, optimizer is not None)
     problem = Problem(step, model_abs, opt_abs, batch_abs)
+    trace_args = (
+        (model_abs, opt_abs, batch_abs) if optimizer is not None else (model_abs, batch_abs)
+    )
+    loops = flops_.loop_ratio(step, *trace_args)
     problem_key = (step, _shapes_key(model_abs), _shapes_key(opt_abs), _shapes_key(batch_abs))
     local = len(available)
     reach = max(compile_limit, 1)
@@ -215,7 +202,7 @@ def auto_plan(
             job.where,
             budget_bytes,
             axis_links,
-            flops_per_second,
+            flops_per_second / loops,
         )
         for job in jobs
     ]
