@@ -90,7 +90,10 @@ def svg(plan: Plan, width: int = 640) -> str:
     shown = [c for c in plan.table if c.total_bytes is not None]
     if not shown:
         return ""
-    label_w, bar_h, gap, top = 190, 14, 6, 22
+    labels = [f"{c.rank}. {c.name} ({mesh_str(c.mesh_shape)})" for c in shown]
+    label_w = max(190, int(6.2 * max(len(t) for t in labels)) + 10)  # ~6 px a character
+    width = max(width, label_w + 450)
+    bar_h, gap, top = 14, 6, 22
     scale_max = max([plan.budget, *(c.total_bytes or 0 for c in shown)]) * 1.05
     span = width - label_w - 10
     height = top + len(shown) * (bar_h + gap) + 10
@@ -105,7 +108,7 @@ def svg(plan: Plan, width: int = 640) -> str:
         x += 16 + 6 * len(part) + 8
     for k, c in enumerate(shown):
         y = top + k * (bar_h + gap)
-        label = html.escape(f"{c.rank}. {c.name} ({mesh_str(c.mesh_shape)})")
+        label = html.escape(labels[k])
         out.append(f'<text x="0" y="{y + bar_h - 3}">{label}</text>')
         x0 = float(label_w)
         for part, colour in zip(PARTS, _COLOURS, strict=True):
