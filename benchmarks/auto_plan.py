@@ -5,7 +5,8 @@ MLP 3072, a 32768-token vocabulary, layers scanned), trained with AdamW on 8 CPU
 for three budgets per device: a generous one; one where data parallel does not fit; and
 one where only FSDP x TP layouts fit (the latter two are read off the generous run's
 table: just under the smallest data-parallel footprint, and just over the smallest
-FSDP x TP footprint when every other family needs more).
+FSDP x TP footprint when every other family needs more; when another family needs less,
+the third budget is 2% over the smallest footprint of all, and the output says so).
 
 For each budget it prints the chosen layout, its compiled bytes per device and the bytes
 its collectives send, `auto_plan`'s own wall time, and the brute force beside it: every
@@ -182,7 +183,14 @@ def main():
     if both and min(both) < min(others):
         budgets["only FSDP x TP fits"] = int((min(both) + min(others)) / 2)
     else:
-        print("(no budget lets only FSDP x TP fit on this model: another family is smaller)")
+        smallest = min(c.total_bytes for c in measured)
+        budgets["tight (smallest+2%)"] = int(smallest * 1.02)
+        print(
+            "No budget lets only FSDP x TP fit on this model: another family needs less "
+            f"({min(others) / 2**20:.1f} MiB vs {min(both) / 2**20:.1f} MiB). The third budget "
+            "is instead 2% over the smallest footprint of all."
+        )
+    print(f"\nauto_plan, generous budget ({first:.0f} s):\n{generous}")
 
     print("\nbrute force: every candidate compiled again here, independently")
     brute = {}
