@@ -78,7 +78,8 @@ def _jacobian(
     vectors. Forward mode: `jax.jvp` of each chunk of input basis vectors, as `jax.jacfwd`
     pushes them (so whatever `jax.jacfwd` differentiates works, `custom_vmap` included;
     `jax.linearize` needs more). The primal computation does not depend on the chunk, and
-    XLA moves it out of the loop: the same flops and temporaries as one `linearize`.
+    XLA moves it out of the loop: about the flops and temporaries of one `linearize`
+    (measured: equal on an MLP; +7% temporaries, -9% flops on the benchmark's scan).
     """
     # NumPy leaves as the arrays JAX makes of them (float64 is float32 without x64): the
     # basis is built in their dtype.
