@@ -212,3 +212,23 @@ def test_eager_calls_compile_once_per_shapes(verb, setting):
     again = len(traces)
     jac(jnp.ones(4), 3.0)  # and so does a new static (hashed, as `eqx.filter_jit` does)
     assert len(traces) > again
+
+
+@pytest.mark.parametrize("kind", ["explicit", "auto", "mixed"])
+@pytest.mark.parametrize("setting", ["int", "auto"])
+@pytest.mark.parametrize("verb", ["fwd", "rev"])
+def test_input_sharded_over_a_mesh_as_equinox(verb, setting, kind):
+    # The chunks of an output laid out on Explicit axes carry that layout in their type:
+    # the buffer they are written into is laid out the same (was a ShardingTypeError).
+    from helpers import make_mesh
+
+    mesh = make_mesh(kind, (4, 2), ("rows", "cols"))
+    x = jax.device_put(
+        jnp.linspace(0.0, 1.0, 32).reshape(8, 4),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows")),
+    )
+    ours, theirs = VERBS[verb]
+    options = {"batch_size": 3} if setting == "int" else SETTINGS["auto"]
+    got, want = ours(jnp.sin, **options)(x), theirs(jnp.sin)(x)
+    _same(got, want)
+    assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
