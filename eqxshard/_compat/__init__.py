@@ -4,8 +4,9 @@ Everything here is small on purpose: when JAX moves an API, this folder is what 
 Supported: jax 0.7.2 (the lowest, tested in CI) to the newest release. The rest of
 eqxshard reads these names as `_compat.name`; each submodule holds one family:
 `arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers),
-`meshes` (ambient and abstract meshes, axis types, specs) and `processes` (host gathers,
-global shapes, the detected cluster, the coordination-service client).
+`meshes` (ambient and abstract meshes, axis types, specs), `processes` (host gathers,
+global shapes, the detected cluster, the coordination-service client) and `compile`
+(compiling a module lowered on an `AbstractMesh` on as many CPU devices).
 
 Imports: JAX only (nothing else of eqxshard).
 """
