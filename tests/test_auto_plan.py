@@ -389,3 +389,13 @@ def test_estimate_within_ten_percent_of_a_subprocess_compile():
     assert abs(sent_b - sent_a) <= 0.1 * sent_a
     assert str(estimated).count("~") > 0 and "estimated from a compile" in str(estimated)
     assert isinstance(compiled.mesh, AbstractMesh) and compiled.mesh.size == 16
+
+
+@pytest.mark.heavy
+def test_a_failed_subprocess_compile_says_what_to_do():
+    from eqxshard._plans import compile_remote
+
+    with pytest.raises(
+        RuntimeError, match=r"(?s)could not compile on 4 CPU devices.*`compile_limit`"
+    ):
+        compile_remote._run(4, ["this is not StableHLO"])
