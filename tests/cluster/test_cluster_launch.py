@@ -85,13 +85,13 @@ def test_a_restarted_run_ends_as_an_unbroken_one(make_cluster, tmp_path: Path) -
     cluster = make_cluster(2)
     train = [
         "--devices-per-process", "2", "--heartbeat-timeout", "5", "--grace", "1", "--",
-        str(EXAMPLE), "--steps", "16", "--checkpoint-every", "4", "--log-every", "1",
-        "--batch-size", "16", "--resume",
+        str(EXAMPLE), "--steps", "20", "--checkpoint-every", "5", "--log-every", "1",
+        "--resume",
     ]  # fmt: skip
     unbroken = Run(cluster, *train[:-1], "--checkpoint-dir", str(tmp_path / "unbroken"))
     assert unbroken.finish() == 0, unbroken.text
     broken = Run(cluster, "--max-restarts", "2", *train, "--checkpoint-dir", str(tmp_path / "b"))
-    broken.wait_for(r"^\[0\] saved the checkpoint of step 8$")
+    broken.wait_for(r"^\[0\] saved the checkpoint of step 10$")
     assert cluster.signal("node2", 9, main_only=True), "no process to kill on node2"
     assert broken.finish() == 0, broken.text
     assert re.search(
@@ -99,7 +99,7 @@ def test_a_restarted_run_ends_as_an_unbroken_one(make_cluster, tmp_path: Path) -
         r"ending the 1 still running; restarting the run \(restart 1 of 2\)",
         broken.text,
     ), broken.text
-    assert re.search(r"\[0\] resumed from the checkpoint of step (8|12)", broken.text)
+    assert re.search(r"\[0\] resumed from the checkpoint of step (10|15)", broken.text)
     assert final_parameters(broken.text) == final_parameters(unbroken.text)
 
 
