@@ -24,6 +24,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -47,7 +48,12 @@ LOOPBACK = re.compile(r"^(127\.|::1$|0:0:0:0:0:0:0:1$)")
 def _peer(info: dict[str, Any], process: int) -> str:
     """`process 1 (host node2, address 10.0.0.2)`, with what is known of it."""
     peers = info.get("peers") or {}
-    known = peers.get(str(process)) or []
+    known = list(peers.get(str(process)) or [])
+    if len(known) > 1 and known[0] and not known[1]:  # only the launcher's host name
+        try:
+            known[1] = socket.gethostbyname(known[0])
+        except (OSError, UnicodeError):
+            pass
     parts = []
     if known and known[0]:
         parts.append(f"host {known[0]}")

@@ -36,11 +36,17 @@ class Run:
     `lines` collects `(seconds since start, line)` of stdout and stderr as they come.
     """
 
-    def __init__(self, cluster: Cluster, *args: str, hosts: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *args: str,
+        hosts: list[str] | None = None,
+        remote: str | None = None,
+    ) -> None:
         hosts = cluster.hosts if hosts is None else hosts
         command = [
             sys.executable, "-m", "eqxshard.launch", "--hosts", ",".join(hosts),
-            "--remote", cluster.template, *args,
+            "--remote", remote or cluster.template, *args,
         ]  # fmt: skip
         self.start = time.monotonic()
         self.lines: list[tuple[float, str]] = []
