@@ -58,6 +58,11 @@ def run_hosts(env: Mapping[str, str]) -> tuple[list[str], int] | None:
     return env[HOSTS_VAR].split(","), int(per_host) if per_host.isdigit() else 1
 
 
+def _uses_gloo() -> bool:
+    """Whether JAX's CPU collectives are gloo's (the launcher sets them)."""
+    return getattr(jax.config, "jax_cpu_collectives_implementation", None) == "gloo"
+
+
 def _coordinator(join: Join) -> str | None:
     return join.kwargs.get("coordinator_address") or os.environ.get(COORDINATOR_VAR)
 
@@ -69,8 +74,7 @@ def before(join: Join, timeouts: Mapping[str, int]) -> None:
         return
     table = run_hosts(os.environ)
     coordinator = _coordinator(join)
-    gloo = getattr(jax.config, "jax_cpu_collectives_implementation", None) == "gloo"
-    if coordinator is not None and gloo:
+    if coordinator is not None and _uses_gloo():
         others = table[0] if table else []
         try:
             name, loopback, address = addresses.loopback_fix(coordinator, others)
