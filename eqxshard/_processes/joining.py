@@ -81,17 +81,17 @@ def before(join: Join, timeouts: Mapping[str, int]) -> None:
         except LookupError:
             pass
         else:
-            if address is None:
+            if address is None or not _compat.use_gloo_address(address):
                 raise RuntimeError(
                     f"This host's name {name!r} resolves to {loopback}, a loopback address "
                     "(Debian and Ubuntu write `127.0.1.1 HOSTNAME` in /etc/hosts), and no "
                     f"interface of this host reaches the coordinator {coordinator} or another "
-                    "host of the run. gloo would tell the other processes to connect here "
+                    "host of the run (or this JAX does not let eqxshard give gloo an "
+                    "address). gloo would tell the other processes to connect here "
                     "at that loopback address, and the run would fail at its first "
                     f"collective. Map {name!r} to this node's network address in /etc/hosts "
                     "(or in DNS), and check that the coordinator's host name resolves here."
                 )
-            _compat.use_gloo_address(address)
             print(
                 f"eqxshard: this host's name {name!r} resolves to {loopback} (loopback); "
                 f"gloo uses {address}, the address that reaches the other hosts.",
