@@ -49,6 +49,10 @@ GLOO_CLOSED = """\
 Traceback (most recent call last):
 jax.errors.JaxRuntimeError: UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer [10.23.0.2]:33670
 """  # noqa: E501
+GLOO_ALL_REDUCE = """\
+ValueError: UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/pair.cc:547] Connection closed by peer [10.23.0.2]:46759
+eqxshard: process 0 ended by an uncaught ValueError (exit code 1), without waiting for the other processes.
+"""  # noqa: E501
 GLOO_LOOPBACK = """\
 jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: [external/gloo/gloo/transport/tcp/pair.cc:1017] Connect timeout [none] Connection refused, remote=[127.0.1.1]:41987
 """  # noqa: E501
@@ -109,12 +113,15 @@ def test_a_process_that_never_joined():
     assert many is not None and "one or more of process 1 (host node2" in many
 
 
-def test_a_collective_that_lost_its_peer():
-    line = failures.explain(GLOO_CLOSED, info(0))
+@pytest.mark.parametrize(
+    ("text", "name"), [(GLOO_CLOSED, "AllGather"), (GLOO_ALL_REDUCE, "all-reduce")]
+)
+def test_a_collective_that_lost_its_peer(text, name):
+    line = failures.explain(text, info(0))
     assert line is not None
     assert line.startswith(
         "eqxshard: process 0 on node1 lost process 1 (host node2, address 10.23.0.2): its "
-        "connection failed in a collective (gloo AllGather: connection closed by peer)"
+        f"connection failed in a collective (gloo {name}: connection closed by peer)"
     )
     unknown = failures.explain(GLOO_CLOSED, {"process": 0})
     assert unknown is not None and "lost the process at 10.23.0.2" in unknown

@@ -38,7 +38,7 @@ UNHEALTHY = re.compile(
 )
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 GLOO_PEER = re.compile(
-    r"Gloo (\w+) failed: .*?(Connection (?:closed|reset) by peer|Connection refused|"
+    r"Gloo ([\w-]+) failed: .*?(Connection (?:closed|reset) by peer|Connection refused|"
     r"Timed out|Socket closed)[^\[\n]*(?:\[([0-9a-fA-F.:]+)\]:\d+)?"
 )
 GLOO_INIT = re.compile(r"Gloo context initialization failed.*?remote=\[([0-9a-fA-F.:]+)\]")
