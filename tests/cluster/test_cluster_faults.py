@@ -93,6 +93,20 @@ def test_coordinator_killed(make_cluster, tmp_path: Path) -> None:
     ended_within(run, killed, 1, HEARTBEAT_S)
 
 
+def test_a_node_s_process_killed(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(2)
+    run, directory = start(cluster, tmp_path)
+    killed = time.monotonic() - run.start
+    assert cluster.signal("node2", signal.SIGKILL, main_only=True)
+    assert run.finish() != 0
+    zero = eqxshard_line(run, 0)
+    # At its next collective (or after the heartbeat timeout, whichever comes first).
+    assert re.search(rf"process 0 on node1 lost {NODE2}: ", zero), zero
+    assert "[launch] process 1 on node2 exited with code 137 (128 + SIGKILL" in run.text
+    check_checkpoint(zero, directory)
+    ended_within(run, killed, 0, HEARTBEAT_S)
+
+
 def test_coordinator_cut_off(make_cluster, tmp_path: Path) -> None:
     cluster = make_cluster(2)
     run, directory = start(cluster, tmp_path)
