@@ -123,20 +123,33 @@ def _exit_code(returncode: int) -> int:
 
 
 def _signal_all(procs: Sequence[subprocess.Popen], sig: int) -> None:
+    """`sig` to the process group of each child: it and what it started. Also where the
+    child itself has ended: a wrapper such as `timeout` or `ssh` ends on SIGTERM and
+    leaves the JAX process it started running (JAX takes SIGTERM as a preemption notice).
+    The kernel keeps a group's id from being reused while any member lives."""
     for p in procs:
-        if p.poll() is None:
-            try:  # each child leads its own process group: it and what it started
-                os.killpg(p.pid, sig)
-            except ProcessLookupError:
-                pass
+        try:  # each child leads its own process group
+            os.killpg(p.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _end_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
     """SIGTERM to every process still running, SIGKILL to those alive after `grace` s."""
     _signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    while any(_group_alive(p.pid) for p in procs) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
+        for p in procs:
+            p.poll()  # reap the child itself (the group's other members are not ours to reap)
     _signal_all(procs, signal.SIGKILL)
     for p in procs:
         p.wait()
