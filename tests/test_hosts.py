@@ -145,3 +145,28 @@ def test_loopback_detection(monkeypatch) -> None:
     assert addresses.is_loopback("127.0.1.1") and not addresses.is_loopback("10.0.0.1")
     assert addresses.split_host_port("[::1]:80") == ("::1", 80)
     assert addresses.split_host_port("node1") == ("node1", None)
+
+
+def test_restarts_on_this_machine(tmp_path: Path, capfd) -> None:
+    """A process that fails on the first attempt only: the run is started again, with
+    the restart count in `EQXSHARD_RESTART_COUNT`, and ends well."""
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import os, sys\n"
+        "attempt = os.environ['EQXSHARD_RESTART_COUNT']\n"
+        "print('attempt', attempt, 'process', os.environ['EQXSHARD_PROCESS_ID'], flush=True)\n"
+        "sys.exit(3 if attempt == '0' and os.environ['EQXSHARD_PROCESS_ID'] == '1' else 0)\n"
+    )
+    code = launcher.launch([str(script)], num_processes=2, max_restarts=2, grace=0.5, timeout=120)
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    assert "[1] attempt 0 process 1" in out and "[1] attempt 1 process 1" in out
+    assert (
+        "[launch] process 1 exited with code 3; ending the 1 still running; restarting the run "
+        "(restart 1 of 2)"
+    ) in err or (
+        "[launch] process 1 exited with code 3; none left; restarting the run (restart 1 of 2)"
+    ) in err
+    code = launcher.launch([str(script)], num_processes=2, max_restarts=0, grace=0.5, timeout=120)
+    assert code == 3
+    assert "no restarts left" not in capfd.readouterr().err
