@@ -111,12 +111,7 @@ def _watch_system_exit() -> bool:
     def unwind(code: Any, offset: int, exception: BaseException) -> Any:
         if code is not outermost or not isinstance(exception, SystemExit):
             return None
-        status = exception.code
-        if _status_code(status) == 0:
-            return None
-        if not isinstance(status, int):
-            print(status, file=sys.stderr)
-        _end_now(_status_code(status), f"SystemExit({status!r})")
+        end_on_system_exit(exception.code)
 
     monitoring.use_tool_id(tool, "eqxshard")
     monitoring.register_callback(tool, events.PY_UNWIND, unwind)
@@ -124,9 +119,31 @@ def _watch_system_exit() -> bool:
     return True
 
 
+def end_on_system_exit(status: Any) -> None:
+    """Ends this process at once for a `SystemExit(status)` that left the program, unless
+    its code is 0 (then Python exits as usual, waiting for the others)."""
+    if _status_code(status) == 0:
+        return
+    if not isinstance(status, int):
+        print(status, file=sys.stderr)
+    _end_now(_status_code(status), f"SystemExit({status!r})")
+
+
+_PROMPT = False  # whether `_end_promptly_on_errors` ran in this process
+
+
+def ends_promptly() -> bool:
+    """Whether an uncaught error ends this process at once (`initialize` joined a run of
+    several processes with `exit_on_error=True`): read by `run_main.py`."""
+    return _PROMPT
+
+
 def _end_promptly_on_errors() -> None:
     """Makes an uncaught exception and an uncaught `SystemExit` with a non-zero code end
-    this process at once (on Python 3.11, `sys.exit(n)` only: see `_Exit`)."""
+    this process at once. On Python 3.11, `sys.exit(n)` only (see `_Exit`), and
+    `raise SystemExit(n)` too where the launcher started the process (`run_main.py`)."""
+    global _PROMPT
+    _PROMPT = True
     sys.excepthook = _exit_on_uncaught
     if not _watch_system_exit():
         sys.exit = _exit

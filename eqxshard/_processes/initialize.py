@@ -120,9 +120,11 @@ def initialize(
     code. Ended at once, the others stop too: `python -m eqxshard.launch` ends them and
     exits with this process's code, and under any other launcher they exit with an error
     after `heartbeat_timeout_seconds`. `sys.exit(0)` and the end of the script wait for
-    the others as usual. On Python 3.11, which has no `sys.monitoring`, only `sys.exit(n)`
-    is covered (`initialize` replaces `sys.exit` there): `raise SystemExit(n)` written
-    out waits as above. `os._exit(n)` ends the process at once anyway.
+    the others as usual. On Python 3.11, which has no `sys.monitoring`, `sys.exit(n)` is
+    covered everywhere (`initialize` replaces `sys.exit` there) and `raise SystemExit(n)`
+    written out only in processes started by `python -m eqxshard.launch` (which runs the
+    script through a small runner that sees it); under other launchers it waits as above.
+    `os._exit(n)` ends the process at once anyway.
 
     **Arguments:**
 
