@@ -54,7 +54,7 @@ ValueError: UNKNOWN: Gloo all-reduce failed: [external/gloo/gloo/transport/tcp/p
 eqxshard: process 0 ended by an uncaught ValueError (exit code 1), without waiting for the other processes.
 """  # noqa: E501
 GLOO_LOOPBACK = """\
-jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: [external/gloo/gloo/transport/tcp/pair.cc:1017] Connect timeout [none] Connection refused, remote=[127.0.1.1]:41987
+jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: [external/gloo/gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:7085$0
 """  # noqa: E501
 
 PEERS = {"0": ["node1", "10.23.0.1"], "1": ["node2", "10.23.0.2"]}
