@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nodes
 import pytest
 from runs import EXAMPLE, HANG_S, Run, child_env, final_parameters
 
@@ -115,3 +116,34 @@ def test_cli_hostfile_errors(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "more than a host name on these lines:\n  line 1: 'node1 slots=2'" in done.stderr
+
+
+def test_a_killed_session_s_cluster_is_swept(make_cluster, tmp_path: Path) -> None:
+    """A test process killed before its finalizers ran leaves its namespaces and bridge;
+    the next session's sweep removes them (and nothing of a live owner's)."""
+    live = make_cluster(1)  # this process's own: must survive the sweep
+    owner = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time; from pathlib import Path; sys.path.insert(0, sys.argv[1])\n"
+            "from nodes import Cluster\n"
+            "c = Cluster(2, Path(sys.argv[2])).__enter__()\n"
+            "print(c.id, flush=True); time.sleep(120)\n"
+        ), str(Path(__file__).parent), str(tmp_path / "left")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert owner.stdout is not None
+        left = owner.stdout.readline().strip()
+    finally:
+        owner.kill()  # no clean-up: as a killed test session
+        owner.wait()
+        if owner.stdout is not None:
+            owner.stdout.close()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"eqxsn{left}1" in listed
+    assert left in nodes.sweep()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    assert left not in listed and left not in links
+    assert live.netns("node1") in listed  # a live owner's cluster is left alone
