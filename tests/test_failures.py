@@ -132,6 +132,12 @@ def test_a_peer_advertising_loopback():
     assert line is not None and "cannot reach a peer at 127.0.1.1, a loopback address" in line
 
 
+def test_before_the_process_knows_its_id():
+    line = failures.explain(NEVER_JOINED, {"process": -1, "num_processes": 2, "host": "n1"})
+    assert line is not None
+    assert line.startswith("eqxshard: this process on n1 gave up at start-up: one or more of")
+
+
 def test_nothing_to_explain():
     assert failures.explain("Traceback ...\nValueError: bad\n", info(0)) is None
 

@@ -98,7 +98,9 @@ def explain(text: str, info: dict[str, Any]) -> str | None:
     """
     me = int(info.get("process", -1))
     count = int(info.get("num_processes", 0))
-    here = f"process {me}" + (f" on {info['host']}" if info.get("host") else "")
+    here = (f"process {me}" if me >= 0 else "this process") + (
+        f" on {info['host']}" if info.get("host") else ""
+    )
     heartbeat = info.get("heartbeat_timeout")
     within = f" for {heartbeat} s (the heartbeat timeout)" if heartbeat else ""
     checkpoint = _checkpoint(info)

@@ -24,6 +24,7 @@ from .clusters import (
     HOSTS_VAR,
     INITIALIZATION_TIMEOUT_VAR,
     PROCESSES_PER_HOST_VAR,
+    SLURM_RANK,
     Join,
 )
 
@@ -63,6 +64,14 @@ def _uses_gloo() -> bool:
     return getattr(jax.config, "jax_cpu_collectives_implementation", None) == "gloo"
 
 
+def _process_id(join: Join) -> int:
+    """This process's id as known before joining (-1 where only JAX will know it)."""
+    if "process_id" in join.kwargs:
+        return int(join.kwargs["process_id"])
+    rank = os.environ.get(SLURM_RANK, "")  # what JAX reads under Slurm
+    return int(rank) if join.how == "SlurmCluster" and rank.isdigit() else -1
+
+
 def _coordinator(join: Join) -> str | None:
     return join.kwargs.get("coordinator_address") or os.environ.get(COORDINATOR_VAR)
 
@@ -99,7 +108,7 @@ def before(join: Join, timeouts: Mapping[str, int]) -> None:
                 flush=True,
             )
     info: dict[str, Any] = {
-        "process": join.kwargs.get("process_id", -1),
+        "process": _process_id(join),
         "num_processes": join.expected or 0,
         "host": socket.gethostname(),
         "heartbeat_timeout": timeouts.get("heartbeat_timeout_seconds", 100),
