@@ -46,4 +46,5 @@ from .processes import (
     detected_cluster as detected_cluster,
     global_shape as global_shape,
     process_allgather as process_allgather,
+    use_gloo_address as use_gloo_address,
 )
