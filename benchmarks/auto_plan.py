@@ -1,10 +1,13 @@
 """`auto_plan` on a GPT-style decoder, against a brute force that compiles every candidate.
 
 A decoder of about 135M parameters (GPT-2 small's shape: width 768, 12 layers, 12 heads,
-MLP 3072, a 32768-token vocabulary, layers scanned), trained with AdamW on 8 CPU devices,
+MLP 3072, a 32768-token vocabulary, layers scanned), trained with AdamW on 8 CPU devices
+on batches of 16 sequences of 128 tokens (`--batch 4`: 4 sequences, which cannot be split
+8 ways, so that FSDP over all 8 devices is out),
 for three budgets per device: a generous one; one where data parallel does not fit; and
 one where only FSDP x TP layouts fit (the latter two are read off the generous run's
-table: just under the smallest data-parallel footprint, and just over the smallest
+table: just under the smallest data-parallel footprint (or, when the batch cannot split
+8 ways, under its parameters, gradients and AdamW moments, replicated), and just over the smallest
 FSDP x TP footprint when every other family needs more; when another family needs less,
 the third budget is 2% over the smallest footprint of all, and the output says so).
 
@@ -17,7 +20,7 @@ fits by the brute force's own compile; its estimated time is within 1.1x of the 
 force's best; `auto_plan` takes at most 2 minutes. Then 3 training steps under the
 chosen plan give the losses of the unsharded run.
 
-    python benchmarks/auto_plan.py [--small]
+    python benchmarks/auto_plan.py [--small] [--batch N]
 
 `--small` runs a 4-layer, width-256 decoder instead (for a quick look on a busy machine).
 """
@@ -161,7 +164,10 @@ def train(plan, make, batch_shape):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    config = SMALL if parser.parse_args().small else FULL
+    parser.add_argument("--batch", type=int, default=None)
+    args = parser.parse_args()
+    config = dict(SMALL if args.small else FULL)
+    config["batch"] = args.batch or config["batch"]
     Decoder = decoder(**config)
     model = eqx.filter_eval_shape(Decoder, jax.random.key(0))
     params = eqx.filter(model, lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -176,7 +182,10 @@ def main():
     )
     first = time.perf_counter() - start
     measured = [c for c in generous.table if c.total_bytes is not None and c.time is not None]
-    dp = min(c.total_bytes for c in measured if c.name == "DP")
+    dps = [c.total_bytes for c in measured if c.name == "DP"]
+    # Without a DP row (the batch does not split 8 ways): its parameters, gradients and
+    # AdamW's two moments, whole on every device.
+    dp = min(dps) if dps else 4 * sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     both = [c.total_bytes for c in measured if "FSDP" in c.name and "TP" in c.name]
     others = [c.total_bytes for c in measured if not ("FSDP" in c.name and "TP" in c.name)]
     budgets = {"generous (16 GiB)": 16 * 2**30, "DP does not fit": int(dp * 0.98)}
