@@ -192,6 +192,17 @@ def test_second_call_compiles_nothing(plan, monkeypatch):
     ]
 
 
+def test_a_step_without_optimizer():
+    evaluate = lambda model, batch: jnp.mean((jax.vmap(model)(batch[0]) - batch[1]) ** 2)
+    model = make_model(jax.random.key(0))
+    plan = eqxshard.auto_plan(evaluate, model, BATCH, devices=4, budget="1MiB", progress=False)
+    assert plan.chosen.fits
+    assert set(plan.chosen.bytes) == {"parameters", "batch", "activations"}
+    sharded, state, batch = plan.shard(model, None, _data())
+    assert state is None
+    np.testing.assert_allclose(evaluate(sharded, batch), evaluate(model, _data()), rtol=1e-5)
+
+
 def test_links_change_the_estimate(plan):
     slow_link = eqxshard.Link(1e9, 1e-4)
     slow = auto_plan(links={"data": "ethernet_100g", "fsdp": slow_link, "model": slow_link})
