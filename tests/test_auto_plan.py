@@ -203,6 +203,14 @@ def test_a_step_without_optimizer():
     np.testing.assert_allclose(evaluate(sharded, batch), evaluate(model, _data()), rtol=1e-5)
 
 
+def test_devices_as_a_list_or_a_shape(plan):
+    on_last_four = auto_plan(devices=jax.devices()[4:])
+    assert set(on_last_four.mesh.devices.flat) == set(jax.devices()[4:])
+    assert on_last_four.chosen.mesh_shape == plan.chosen.mesh_shape
+    for shape in ((2, 2), AbstractMesh((2, 2), ("a", "b"))):
+        assert auto_plan(devices=shape).mesh.size == 4
+
+
 def test_links_change_the_estimate(plan):
     slow_link = eqxshard.Link(1e9, 1e-4)
     slow = auto_plan(links={"data": "ethernet_100g", "fsdp": slow_link, "model": slow_link})
