@@ -411,3 +411,14 @@ def test_bad_arguments():
             __hash__ = None  # type: ignore[assignment]
 
         _filter_jit(lambda x, y: x)(jnp.ones(2), Unhashable())
+
+
+@JITS
+def test_runtime_errors_as_equinox_reports_them(jit):
+    @jit
+    def f(x):
+        return eqx.error_if(x, x > 0, "x is positive")
+
+    assert f(jnp.array(-1.0)) == -1.0
+    with pytest.raises(eqx.EquinoxRuntimeError, match="x is positive"):
+        f(jnp.array(1.0))

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools as ft
 import inspect
+import os
 import warnings
 from typing import Any
 
 import equinox as eqx
 import jax
 
+from .._compat import equinox_runtime_error, is_tracer
 from .._tree import Flat, is_array_like, leaf_error, pathstr
 from . import donate as _donate, layouts as _layouts
 
@@ -183,10 +185,22 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
         dynamic = _lay_out(config, flat, entry.in_shardings)
     if lower:
         return Lowered(entry.jitted.lower(*dynamic), wrapper)
-    with warnings.catch_warnings():
-        if entry.suppress:
-            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-        out = entry.jitted(*dynamic)
+    # Equinox finds the user's frames for `eqx.error_if` messages by this local's name.
+    __equinox_jit_id__ = os.urandom(16)
+    try:
+        with warnings.catch_warnings():
+            if entry.suppress:
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            out = entry.jitted(*dynamic)
+        # As `eqx.filter_jit`: wait for the result, so a runtime error is raised here.
+        first = next((x for x in out[0] if not is_tracer(x)), None)
+        if first is not None:
+            first.block_until_ready()
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        error = equinox_runtime_error(e, __equinox_jit_id__)
+        if error is None:
+            raise
+        raise error from None
     return _output(out)
 
 
