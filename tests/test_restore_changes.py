@@ -77,7 +77,8 @@ def test_into_another_dtype_when_asked(tmp_path: Path) -> None:
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), saved)
     with pytest.raises(
         ValueError,
-        match=r"(?s)w\s+in `like` as \(8, 4\) bfloat16\s+in the checkpoint as \(8, 4\) float32.*cast=True",
+        match=r"(?s)w\s+in `like` as \(8, 4\) bfloat16\s+"
+        r"in the checkpoint as \(8, 4\) float32.*cast=True",
     ):
         filter_restore(tmp_path, like, mesh, P("data"))
     out = filter_restore(tmp_path, like, mesh, P("data"), cast=True)
@@ -102,7 +103,8 @@ def test_after_the_model_changed(tmp_path: Path) -> None:
     assert "strict=False" in text  # the way to restore the rest
     with pytest.warns(
         UserWarning,
-        match=r"(?s)kept `like`'s own value.*\['extra'\]  not in the checkpoint.*\['w'\].*saved as \(8, 4\)",
+        match=r"(?s)kept `like`'s own value.*\['extra'\]  not in the checkpoint"
+        r".*\['w'\].*saved as \(8, 4\)",
     ):
         out = filter_restore(tmp_path, new, mesh, P("data"), strict=False)
     _same(out["b"], saved["b"])  # restored
