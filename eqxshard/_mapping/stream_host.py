@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .chunks import check_axes_in_range, check_same_size, path_table
 
 NAME = "filter_stream"
@@ -68,4 +69,6 @@ def output_to_host(x: jax.Array) -> Any:
     `jax.device_get`)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.device_get(x)
+    if not x.is_fully_addressable:  # a mesh over several processes: every one gets it all
+        return np.asarray(_compat.process_allgather(x, tiled=True))
     return np.asarray(x)
