@@ -422,3 +422,31 @@ def test_runtime_errors_as_equinox_reports_them(jit):
     assert f(jnp.array(-1.0)) == -1.0
     with pytest.raises(eqx.EquinoxRuntimeError, match="x is positive"):
         f(jnp.array(1.0))
+
+
+@JITS
+def test_vmap_and_partials_inside(jit):
+    n = 0
+
+    def f(x):
+        nonlocal n
+        n += 1
+        return x + 1
+
+    out = jit(eqx.filter_vmap(f))(jnp.array([1, 2]))
+    assert n == 1 and (np.asarray(out) == [2, 3]).all()
+    jit(eqx.filter_vmap(f))(jnp.array([2, 3]))
+    assert n == 1  # an equal function in a new wrapper: no new trace
+    partial = jtu.Partial(lambda x, y: x + y, jnp.array(1.0))
+    assert jit(partial)(jnp.array(2.0)) == 3.0
+    wrapped = jit(f)
+    assert wrapped.__wrapped__ is f and wrapped.__name__ == "f"
+
+
+def test_compiled_lays_out_its_inputs_too():
+    mesh = _mesh(AxisType.Explicit)
+    f = _filter_jit(lambda x: x * 2, in_shardings=P("data"), out_shardings=P(), mesh=mesh)
+    compiled = f.lower(jnp.ones((8, 2))).compile()
+    assert compiled.memory_analysis() is not None
+    out = compiled(jax.device_put(jnp.ones((8, 2)), jax.devices()[0]))  # moved as asked
+    assert out.sharding.is_fully_replicated and (np.asarray(out) == 2).all()

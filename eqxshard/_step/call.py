@@ -24,6 +24,7 @@ import jax
 from .._compat import equinox_runtime_error, is_tracer
 from .._tree import Flat, is_array_like, leaf_error, pathstr
 from . import donate as _donate, layouts as _layouts
+from .static import hashable_key
 
 _UNSET: Any = object()
 
@@ -79,36 +80,6 @@ def _output(out: Any) -> Any:
     out_def, rest = static.value
     it = iter(arrays)
     return jax.tree_util.tree_unflatten(out_def, [next(it) if x is _UNSET else x for x in rest])
-
-
-def _hashable(key: Any, flat: Flat, offset: int) -> Any:
-    try:
-        hash(key)
-    except TypeError:
-        rows = []
-        for i, x in enumerate(flat.leaves):
-            if flat.is_array[i]:
-                continue
-            try:
-                hash(x)
-            except TypeError:
-                rows.append((_where(flat.paths[i], offset), type(x).__name__))
-        raise TypeError(
-            leaf_error(
-                "`filter_jit` holds non-array leaves static (as `eqx.filter_jit` does), so "
-                "they must be hashable, but these are not:",
-                rows or [("<call>", "the call's structure")],
-                "Make them hashable (e.g. a tuple, not a list, inside a static field), or "
-                "pass them as arrays.",
-            )
-        ) from None
-    return key
-
-
-def _where(path: Any, offset: int) -> str:
-    # Paths into (fun, args, kwargs): say which part, as users name them.
-    part, rest = path[0].idx, path[1:]
-    return ("fun", "args", "kwargs")[part] + pathstr(rest).replace("<root>", "")
 
 
 class _JitWrapper(eqx.Module):
@@ -174,7 +145,7 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
         flat.treedef,
         tuple(_UNSET if a else x for x, a in zip(flat.leaves, flat.is_array, strict=True)),
     )
-    key = _hashable((config.key, static), flat, 0)
+    key = hashable_key((config.key, static), flat)
     dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
     signature = tuple(_signature_of(x) for x in dynamic)
     entry = _JITS.get((key, signature))
@@ -184,7 +155,7 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
     if entry.in_shardings:
         dynamic = _lay_out(config, flat, entry.in_shardings)
     if lower:
-        return Lowered(entry.jitted.lower(*dynamic), wrapper)
+        return Lowered(entry.jitted.lower(*dynamic), wrapper, entry)
     # Equinox finds the user's frames for `eqx.error_if` messages by this local's name.
     __equinox_jit_id__ = os.urandom(16)
     try:
@@ -288,22 +259,22 @@ def _names(fun: Any) -> tuple[str, str]:
 class Lowered:
     """A lowered `filter_jit` call: `as_text()`, `compile()`, and `lowered` (JAX's)."""
 
-    def __init__(self, lowered: Any, wrapper: _JitWrapper):
-        self.lowered, self._wrapper = lowered, wrapper
+    def __init__(self, lowered: Any, wrapper: _JitWrapper, entry: _Entry):
+        self.lowered, self._wrapper, self._entry = lowered, wrapper, entry
 
     def as_text(self, *args: Any, **kwargs: Any) -> str:
         return self.lowered.as_text(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> Compiled:
-        return Compiled(self.lowered.compile(*args, **kwargs), self._wrapper)
+        return Compiled(self.lowered.compile(*args, **kwargs), self._wrapper, self._entry)
 
 
 class Compiled:
     """A compiled `filter_jit` call: call it with the arguments `lower` was given (arrays
     of the same shapes); `compiled` is JAX's (`memory_analysis()`, `as_text()`)."""
 
-    def __init__(self, compiled: Any, wrapper: _JitWrapper):
-        self.compiled, self._wrapper = compiled, wrapper
+    def __init__(self, compiled: Any, wrapper: _JitWrapper, entry: _Entry):
+        self.compiled, self._wrapper, self._entry = compiled, wrapper, entry
 
     def as_text(self) -> str:
         return self.compiled.as_text()
@@ -314,5 +285,8 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _bind(self._wrapper, args, kwargs)
         flat = Flat((self._wrapper._fun, args, kwargs))
-        dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
+        if self._entry.in_shardings:  # laid out as for a call
+            dynamic = _lay_out(self._wrapper._config, flat, self._entry.in_shardings)
+        else:
+            dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
         return _output(self.compiled(*dynamic))
