@@ -1,7 +1,6 @@
 """eqxshard: sharding for Equinox models and other JAX PyTrees."""
 
-import importlib.metadata
-
+from . import _version
 from ._checkpoint.restore import filter_restore as filter_restore
 from ._checkpoint.save import (
     AsyncSave as AsyncSave,
@@ -39,4 +38,4 @@ from ._processes.setup_check import SetupReport as SetupReport, check_setup as c
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map
 from ._step.jit import filter_jit as filter_jit
 
-__version__ = importlib.metadata.version("eqxshard")
+__version__ = _version.version()

@@ -145,7 +145,7 @@ def place(
     """Places every array leaf of `flat` that has a sharding; returns the new leaves."""
     check_traced_moves(verb, flat, shardings)
     traced = {i: s for i, s in shardings.items() if _needs_constraint(flat.leaves[i], s)}
-    concrete = {i: _settled(s) for i, s in shardings.items() if i not in traced}
+    concrete = {i: settled(s) for i, s in shardings.items() if i not in traced}
     concrete = {i: s for i, s in concrete.items() if not _already_placed(flat.leaves[i], s)}
     if process_local:
         _check_process_local(verb, flat, shardings, traced)
@@ -179,7 +179,7 @@ def to_memory_kind(x: Any, memory_kind: str) -> Any:
     return jax.device_put(x, _compat.memory_space(memory_kind))
 
 
-def _settled(sharding: Sharding) -> Sharding:
+def settled(sharding: Sharding) -> Sharding:
     """A concrete array has a layout on every dim: `P.UNCONSTRAINED` dims are not split
     (as `eqx.filter_shard` gives outside `jit`; `device_put` raises on them)."""
     if not isinstance(sharding, NamedSharding):
