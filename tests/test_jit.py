@@ -450,3 +450,20 @@ def test_compiled_lays_out_its_inputs_too():
     assert compiled.memory_analysis() is not None
     out = compiled(jax.device_put(jnp.ones((8, 2)), jax.devices()[0]))  # moved as asked
     assert out.sharding.is_fully_replicated and (np.asarray(out) == 2).all()
+
+
+def test_a_plan_and_like_as_in_shardings():
+    mesh, params, x, step = _setup(AxisType.Explicit)
+    plan = eqxshard.filter_plan(params, mesh, _rule())
+    moments = jtu.tree_map(jnp.zeros_like, params)  # mirrors `params`, as optax state does
+    placed = eqxshard.filter_shard(params, plan)
+    f = _filter_jit(
+        lambda p, s: (p, jtu.tree_map(lambda a: a + 1, s)),
+        in_shardings=(plan, {"mu": eqxshard.like(placed)}),
+        mesh=mesh,
+    )
+    p, s = f(params, {"mu": moments})
+    for a, b in zip(jtu.tree_leaves(p), jtu.tree_leaves(plan), strict=True):
+        assert a.sharding.is_equivalent_to(b, a.ndim)
+    for a, b in zip(jtu.tree_leaves(s["mu"]), jtu.tree_leaves(plan), strict=True):
+        assert a.sharding.is_equivalent_to(b, a.ndim)
