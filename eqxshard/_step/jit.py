@@ -81,7 +81,8 @@ def filter_jit(
     - `in_shardings`: the layout of the inputs. `None` (default): as they come. Else one
         layout for every array leaf, or a tuple with one entry per positional argument
         (after binding keywords to their parameters), each a prefix tree of that
-        argument. A layout is any form `filter_shard` takes as a `target` or a `spec`:
+        argument. (The arrays of `fun` itself, a bound module's, are left as they are.)
+        A layout is any form `filter_shard` takes as a `target` or a `spec`:
         - a `jax.sharding.Sharding` (e.g. from `filter_plan`, whose trees fit as they
             are) or a `jax.Device`;
         - a `Mesh`: replicated on it;
