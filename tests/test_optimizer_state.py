@@ -75,7 +75,10 @@ def _check(state, mesh):
         assert leaf.sharding.is_equivalent_to(want, leaf.ndim), (jtu.keystr(path), leaf.sharding)
 
 
-@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+# Auto axes compile each case once more: CI runs them once (heavy), Explicit every time.
+@pytest.mark.parametrize(
+    "axis_type", [AxisType.Explicit, pytest.param(AxisType.Auto, marks=pytest.mark.heavy)]
+)
 @pytest.mark.parametrize("name", list(OPTIMISERS))
 def test_state_like_params(name, axis_type):
     mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
@@ -110,9 +113,9 @@ def test_state_like_params(name, axis_type):
         strict=True,
     ):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    if axis_type == AxisType.Explicit:  # traced state carries its layout: constrain in `jit`
-        inside = jax.jit(lambda s: eqxshard.filter_shard(s, mesh, rule))(optimiser.init(raw))
-        _check(inside, mesh)
+    # `like` as a layout constraint inside a plain `jax.jit`.
+    inside = jax.jit(lambda s: eqxshard.filter_shard(s, mesh, rule))(optimiser.init(raw))
+    _check(inside, mesh)
 
 
 def test_big_leaf_mirroring_nothing_is_an_error():
