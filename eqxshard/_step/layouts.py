@@ -23,6 +23,7 @@ from .._compat import ambient_mesh, is_tracer
 from .._placement import place as _place, resolve as _resolve, targets as _targets
 from .._plans.rules import Rule
 from .._tree import Flat, Path, is_array_like, leaf_error, pathstr
+from .static import call_path
 
 _FIXED = (Mesh, AbstractMesh, Sharding, jax.Device)
 
@@ -162,7 +163,11 @@ def check_inputs(flat: Flat, shardings: dict[int, Sharding]) -> None:
             continue
         if not _place._already_placed(x, sharding):
             rows.append(
-                (pathstr(flat.paths[i]), f"is {_layout(x.sharding)}", f"asked {_layout(sharding)}")
+                (
+                    call_path(flat.paths[i]),
+                    f"is {_layout(x.sharding)}",
+                    f"asked {_layout(sharding)}",
+                )
             )
     if rows:
         raise ValueError(

@@ -21,7 +21,7 @@ def hashable_key(key: Any, flat: Flat) -> Any:
             try:
                 hash(x)
             except TypeError:
-                rows.append((_where(flat.paths[i]), type(x).__name__))
+                rows.append((call_path(flat.paths[i]), type(x).__name__))
         raise TypeError(
             leaf_error(
                 "`filter_jit` holds non-array leaves static (as `eqx.filter_jit` does), so "
@@ -34,7 +34,7 @@ def hashable_key(key: Any, flat: Flat) -> Any:
     return key
 
 
-def _where(path: Any) -> str:
-    # Paths into (fun, args, kwargs): say which part, as users name them.
+def call_path(path: Any) -> str:
+    """A path into a call's `(fun, args, kwargs)` as users name it: `args[0].weight`."""
     part, rest = path[0].idx, path[1:]
     return ("fun", "args", "kwargs")[part] + pathstr(rest).replace("<root>", "")
