@@ -198,6 +198,10 @@ def filter_stream(
     It runs outside `jax.jit`. Results equal `eqx.filter_vmap(fun, in_axes=in_axes,
     out_axes=out_axes)(*args)`, copied to the host.
 
+    With a `mesh` over several processes, call it on every process with the same data:
+    each process fills only its own devices from its copy of each chunk (no chunk is
+    compared or gathered across hosts), and every process gets all the results.
+
     **Arguments:**
 
     - `fun`: the function to map, called as `fun(*args)`. Leave it out to use
