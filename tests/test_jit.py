@@ -414,7 +414,7 @@ def test_bad_arguments():
         _filter_jit(lambda x: x, mesh="data")
     with pytest.raises(TypeError, match="`move_inputs` as a bool"):
         _filter_jit(lambda x: x, move_inputs="no")
-    with pytest.raises(ValueError, match=r"`\*\*kwargs`(.|\n)*\['y'\]"):
+    with pytest.raises(ValueError, match=r"`\*\*kwargs`(.|\n)*kwargs\['y'\]"):
         _filter_jit(lambda x, **kw: x, in_shardings=(P(),), mesh=mesh)(jnp.ones(8), y=jnp.ones(8))
     with pytest.raises(TypeError, match=r"hashable(.|\n)*args\[1\]  Unhashable"):
 

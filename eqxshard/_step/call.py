@@ -22,9 +22,9 @@ import equinox as eqx
 import jax
 
 from .._compat import equinox_runtime_error, is_tracer
-from .._tree import Flat, is_array_like, leaf_error, pathstr
+from .._tree import Flat, is_array_like, leaf_error
 from . import donate as _donate, layouts as _layouts
-from .static import hashable_key
+from .static import call_path, hashable_key
 
 _UNSET: Any = object()
 
@@ -68,14 +68,9 @@ def _traced_fun(key: Any, static: tuple, name: tuple[str, str]) -> Any:
     return fun
 
 
-def _abstract_output(out_info: Any) -> Any:
-    arrays, static = out_info
-    out_def, rest = static.value
-    it = iter(arrays)
-    return jax.tree_util.tree_unflatten(out_def, [next(it) if x is _UNSET else x for x in rest])
-
-
 def _output(out: Any) -> Any:
+    """The user's output from what the traced function returns (its arrays, and the rest
+    as tree metadata); also the abstract output, from `out_info`."""
     arrays, static = out
     out_def, rest = static.value
     it = iter(arrays)
@@ -220,7 +215,7 @@ def _build(
         if in_shardings:
             dynamic = _lay_out(config, flat, in_shardings)
         traced = jax.jit(fun, **kw).trace(*dynamic)
-        abstract = _abstract_output(traced.out_info)
+        abstract = _output(traced.out_info)
         found = _layouts.resolve_layouts(
             abstract, config.out_shardings, mesh=config.mesh, argname="out_shardings"
         )
@@ -230,7 +225,7 @@ def _build(
 
 
 def _no_kwargs(flat: Flat, end: int) -> None:
-    rows = [(pathstr(flat.paths[i]),) for i in flat.array_indices if i >= end]
+    rows = [(call_path(flat.paths[i]),) for i in flat.array_indices if i >= end]
     if rows:
         raise ValueError(
             leaf_error(
