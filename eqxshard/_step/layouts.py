@@ -90,32 +90,19 @@ def resolve_layouts(
     spread = _spread(tree, layouts, argname)
     fixed: dict[int, Any] = {}
     ruled: dict[int, tuple[Path, Any]] = {}
-    bad = []
+    # (Every leaf of `layouts` is a layout: `filter_jit` checked that when it was made.)
     for i in flat.array_indices:
         prefix, layout = spread[i]
         if layout is None:
             continue
         if isinstance(layout, _FIXED):
             fixed[i] = layout
-        elif is_layout_leaf(layout):
-            ruled[i] = (prefix, layout)
         else:
-            where = pathstr(prefix) if prefix else "<the whole tree>"
-            bad.append((pathstr(flat.paths[i]), f"{type(layout).__name__} at {where}"))
-    if bad:
-        raise TypeError(
-            leaf_error(
-                f"`filter_jit` cannot read the `{argname}` given for these leaves:",
-                bad,
-                "Each layout is a Sharding, a Device, a Mesh (replicated), a PartitionSpec, a "
-                "rule (`fsdp`, `path_rules`, `like`, ...), a callable `(path, leaf) -> "
-                "PartitionSpec | None`, or `None` to leave a leaf alone.",
-            )
-        )
-    none = [None] * len(flat.leaves)
+            ruled[i] = (prefix, layout)
+    n = len(flat.leaves)
     out: dict[int, Sharding] = {}
     if fixed:
-        targets = flat.rebuild({i: fixed.get(i) for i in range(len(none))})
+        targets = flat.rebuild({i: fixed.get(i) for i in range(n)})
         out |= _resolved(flat, targets, _targets.UNSET, argname)
     if ruled:
         mesh = mesh if mesh is not None else ambient_mesh()
@@ -130,7 +117,7 @@ def resolve_layouts(
                     "give `NamedSharding`s instead.",
                 )
             )
-        targets = flat.rebuild({i: mesh if i in ruled else None for i in range(len(none))})
+        targets = flat.rebuild({i: mesh if i in ruled else None for i in range(n)})
         rule = _Dispatch({tuple(flat.paths[i]): v for i, v in ruled.items()})
         out |= _resolved(flat, targets, rule, argname)
     return out
