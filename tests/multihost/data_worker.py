@@ -11,6 +11,7 @@ scenario can say what crossed between hosts: never the batch data.
 from __future__ import annotations
 
 import sys
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,24 @@ def process_local_batch_is_built_without_a_gather(process: int, workdir: Path) -
         {s.index[0].start // (ROWS // 4) for s in shards}
         == set(range(4 * process, 4 * process + 4)),
         f"rows placed elsewhere: {[s.index for s in shards]}",
+    )
+
+
+@scenario
+def host_memory_is_bounded_by_the_local_share(process: int, workdir: Path) -> None:
+    """Building a 2 MiB global batch from 1 MiB per process allocates no second MiB on
+    the host (NumPy allocations, as `tracemalloc` sees them): nothing global is made."""
+    local = np.full((4096, 64), process, np.float32)  # 1 MiB
+    m = mesh()
+    eqxshard.filter_shard(np.zeros((8, 64), np.float32), m, P("data"), process_local=True)
+    tracemalloc.start()
+    batch = eqxshard.filter_shard(local, m, P("data"), process_local=True)
+    batch.block_until_ready()
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    check(batch.shape == (8192, 64), f"global shape {batch.shape}")
+    check(
+        peak < local.nbytes // 2, f"{peak} bytes allocated on the host for a {local.nbytes} share"
     )
 
 
