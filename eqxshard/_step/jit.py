@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import functools as ft
 import inspect
-from typing import Any
+from collections.abc import Callable
+from typing import Any, overload
 
 import equinox as eqx
 import jax
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
-from .._tree import leaf_error, pathstr
+from .._tree import Params, T, leaf_error, pathstr
 from . import donate as _donate, layouts as _layouts
-from .call import _UNSET, _Config, _JitWrapper, _names
+from .call import _Config, _JitWrapper, _names
 
 
 def _check_layouts(value: Any, argname: str) -> None:
@@ -37,8 +38,32 @@ def _check_layouts(value: Any, argname: str) -> None:
         )
 
 
+@overload
 def filter_jit(
-    fun: Any = _UNSET,
+    fun: None = None,
+    *,
+    donate: Any = "none",
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    mesh: Any = None,
+    move_inputs: bool = True,
+) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
+
+
+@overload
+def filter_jit(
+    fun: Callable[Params, T],
+    *,
+    donate: Any = "none",
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+    mesh: Any = None,
+    move_inputs: bool = True,
+) -> Callable[Params, T]: ...
+
+
+def filter_jit(
+    fun: Any = None,
     *,
     donate: Any = "none",
     in_shardings: Any = None,
@@ -157,7 +182,7 @@ def filter_jit(
         model, opt_state, loss = step(model, opt_state, x)
         ```
     """
-    if fun is _UNSET:
+    if fun is None:
         return ft.partial(
             filter_jit,
             donate=donate,

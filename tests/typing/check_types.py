@@ -49,3 +49,12 @@ def check_types(mesh: jax.sharding.Mesh) -> None:
         return x + 1
 
     assert_type(g(jnp.ones((4, 3))), jax.Array)
+
+    # filter_jit keeps the function's signature, called directly or as a decorator.
+    assert_type(eqxshard.filter_jit(f)(jnp.ones(3), 2.0), tuple[jax.Array, jax.Array])
+
+    @eqxshard.filter_jit(donate=(True,), out_shardings=P())
+    def h(x: jax.Array) -> jax.Array:
+        return x + 1
+
+    assert_type(h(jnp.ones(3)), jax.Array)
