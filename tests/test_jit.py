@@ -478,3 +478,24 @@ def test_a_plan_and_like_as_in_shardings():
         assert a.sharding.is_equivalent_to(b, a.ndim)
     for a, b in zip(jtu.tree_leaves(s["mu"]), jtu.tree_leaves(plan), strict=True):
         assert a.sharding.is_equivalent_to(b, a.ndim)
+
+
+@JITS
+def test_donating_method_decorated_in_the_class_body(jit):
+    n = 0
+
+    class M(eqx.Module):
+        buffer: jax.Array
+
+        @jit(donate="all")
+        def __call__(self, x):
+            nonlocal n
+            n += 1
+            return x, eqx.tree_at(lambda s: s.buffer, self, self.buffer.at[0].add(1))
+
+    m = M(jnp.zeros(8))
+    pointer = m.buffer.unsafe_buffer_pointer()
+    _, new = m(jnp.ones(2))
+    _, new = new(jnp.ones(2))
+    assert n == 1 and m.buffer.is_deleted() and new.buffer[0] == 2
+    assert new.buffer.unsafe_buffer_pointer() == pointer
