@@ -5,10 +5,12 @@ Supported: jax 0.7.2 (the lowest, tested in CI) to the newest release. The rest 
 eqxshard reads these names as `_compat.name`; each submodule holds one family:
 `arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers),
 `meshes` (ambient and abstract meshes, axis types, specs), `processes` (host gathers,
-global shapes, the detected cluster, the coordination-service client) and `compile`
-(compiling a module lowered on an `AbstractMesh` on as many CPU devices).
+global shapes, the detected cluster, the coordination-service client),
+`equinox_errors` (Equinox's private state for `eqx.error_if` messages, which
+`filter_jit` reports as `eqx.filter_jit` does) and `compile` (compiling a module lowered
+on an `AbstractMesh` on as many CPU devices).
 
-Imports: JAX only (nothing else of eqxshard).
+Imports: JAX (and Equinox, in `equinox_errors`) only; nothing else of eqxshard.
 """
 
 from .arrays import (
@@ -29,6 +31,7 @@ from .arrays import (
     tracing as tracing,
 )
 from .compile import compile_stablehlo as compile_stablehlo
+from .equinox_errors import equinox_runtime_error as equinox_runtime_error
 from .meshes import (
     abstract_mesh as abstract_mesh,
     abstract_mesh_of as abstract_mesh_of,

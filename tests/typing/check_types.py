@@ -58,3 +58,12 @@ def check_types(mesh: jax.sharding.Mesh) -> None:
     eqxshard.path_rules(either)
     eqxshard.path_rules({re.compile(r".*"): P()})
     eqxshard.path_rules({re.compile(r".*bias"): None, r".*": P()})
+
+    # filter_jit keeps the function's signature, called directly or as a decorator.
+    assert_type(eqxshard.filter_jit(f)(jnp.ones(3), 2.0), tuple[jax.Array, jax.Array])
+
+    @eqxshard.filter_jit(donate=(True,), out_shardings=P())
+    def h(x: jax.Array) -> jax.Array:
+        return x + 1
+
+    assert_type(h(jnp.ones(3)), jax.Array)
