@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
 from .. import _compat
 from .._tree import Flat, T, leaf_error, pathstr
-from . import place, resolve, targets
+from . import cache, place, resolve, targets
 
 
 def _backend_sharding(name: str) -> Sharding:
@@ -102,6 +102,20 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
             f"`filter_put` takes `memory_kind` as a string such as 'pinned_host' or 'device', "
             f"but got {memory_kind!r} of type {type(memory_kind).__name__}."
         )
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = cache.NEVER
+    if target is not None:  # without a target, each leaf's own layout: nothing to remember
+        found = cache.lookup(
+            leaves,
+            treedef,
+            ("filter_put", memory_kind),
+            target=target,
+            spec=resolve.UNSET,
+            target_leaf=targets.is_target_leaf,
+            spec_leaf=targets.is_spec_leaf,
+        )
+    if found.moves is not None:
+        return cache.place_tree(tree, leaves, treedef, found.moves)
     flat = Flat(tree)
     sync = resolve.must_sync(target)
     if not any(flat.is_array) and not sync:  # see `filter_shard`
@@ -120,7 +134,12 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         shardings = {
             i: s.with_memory_kind(memory_kind) if s is not None else s for i, s in shardings.items()
         }
-    placed = place.place("filter_put", flat, {i: s for i, s in shardings.items() if s is not None})
+    given = {i: s for i, s in shardings.items() if s is not None}
+    placed = place.place("filter_put", flat, given)
+    if found.key is not None and len(given) == len(shardings):
+        moves = cache.moves_of(given)
+        if moves is not None:
+            cache.store(found, moves)
     if memory_kind is not None:  # traced leaves with no known layout: JAX keeps it
         for i, s in shardings.items():
             if s is None:

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._tree import Flat, T
-from . import place, resolve
+from . import cache, place, resolve, targets
 
 SpecLike = PartitionSpec | PyTree[PartitionSpec | None] | Callable[[Any, Any], Any] | None
 
@@ -128,9 +128,25 @@ def filter_shard(
                 f"`filter_shard` takes `{name}` as a bool, but got {flag!r} of type "
                 f"{type(flag).__name__}. Pass `{name}=True` or `{name}=False`."
             )
-    flat = Flat(tree)
     target = resolve.UNSET if target is None else target
     spec = resolve.UNSET if spec is None else spec
+    # A call like one seen before (same tree structure, leaf types, shapes, dtypes,
+    # target and spec) is placed from its remembered moves, skipping the checks it passed.
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = cache.NEVER
+    if not process_local:
+        found = cache.lookup(
+            leaves,
+            treedef,
+            ("filter_shard", check_consistent),
+            target=target,
+            spec=spec,
+            target_leaf=targets.is_target_leaf,
+            spec_leaf=targets.is_spec_leaf,
+        )
+    if found.moves is not None:
+        return cache.place_tree(tree, leaves, treedef, found.moves)
+    flat = Flat(tree)
     # With several processes, a call that spans them checks its leaves with the other
     # processes even if this process has no arrays (theirs may differ).
     sync = resolve.must_sync(target)
@@ -151,6 +167,9 @@ def filter_shard(
         process_local=process_local,
         check_consistent=check_consistent,
     )
+    moves = None if found.key is None else cache.moves_of(shardings)
+    if moves is not None:
+        cache.store(found, moves)
     return flat.rebuild(placed)
 
 
