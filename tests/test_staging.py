@@ -12,7 +12,7 @@ import pytest
 from helpers import make_mesh, named
 from jax.sharding import PartitionSpec as P, SingleDeviceSharding
 
-from eqxshard import filter_put, filter_shard
+from eqxshard import filter_put, filter_restore, filter_save, filter_shard
 from eqxshard._placement import cache, staging
 
 STAGING_BYTES = 4096  # parts of 1 KiB; leaves of 128 bytes or more per device are staged
@@ -145,3 +145,27 @@ def test_bad_settings_raise(monkeypatch, variable, value, match):
     monkeypatch.setenv(variable, value)
     with pytest.raises(ValueError, match=match):
         filter_shard({"x": np.ones(8)}, jax.devices()[0])
+
+
+def test_restore_reads_to_host_and_stages(moves, monkeypatch, tmp_path):
+    """`filter_restore` onto (forced) staged devices: read as host NumPy, then staged; the
+    same arrays as a restore straight onto the devices."""
+    mesh = make_mesh("auto", (4, 2), ("data", "model"))
+    rng = np.random.default_rng(2)
+    tree = {
+        "w": rng.normal(size=(64, 48)).astype(np.float32),
+        "e": rng.normal(size=(40, 16)).astype(ml_dtypes.bfloat16),
+        "key": jax.random.split(jax.random.key(3), 8),
+        "step": 7,
+    }
+    filter_save(tmp_path, 0, tree)
+    staged = filter_restore(tmp_path, tree, mesh, P("data"))
+    assert moves["parts"], "nothing was staged"
+    assert moves["most"] <= STAGING_BYTES
+    monkeypatch.setenv(staging.MODE_VARIABLE, "off")
+    direct = filter_restore(tmp_path, tree, mesh, P("data"))
+    assert staged["step"] == 7
+    for name in ("w", "e"):
+        assert_identical(staged[name], direct[name])
+    assert staged["key"].dtype == direct["key"].dtype
+    assert (jax.random.key_data(staged["key"]) == jax.random.key_data(direct["key"])).all()

@@ -10,6 +10,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 
 from .. import _compat
+from .._placement import staging
 from .._plans.plan import plan_shardings
 from .._tree import Flat, T, is_array_like, leaf_error, pathstr, shape_str
 from .save import _all_steps, _directory, _manager, _names, _orbax, _step, _steps, damage
@@ -178,9 +179,16 @@ def filter_restore(
                 directory, step, f"its metadata is unreadable ({_short(e)})", steps
             ) from e
         _check_matches(directory, step, flat, names, saved)
-        abstract = {}
+        abstract: dict[str, Any] = {}
+        via_host = []  # read to host NumPy, then staged onto accelerators (`staging`)
         for name, i in names.items():
             stored = _stored(flat.leaves[i])
+            if not _compat.is_prng_key(flat.leaves[i]) and staging.through_host(
+                stored.shape, stored.dtype, shardings[i]
+            ):
+                abstract[name] = staging.host_placeholder(stored.shape, stored.dtype)
+                via_host.append(name)
+                continue
             abstract[name] = jax.ShapeDtypeStruct(stored.shape, stored.dtype, sharding=shardings[i])
         try:
             restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
@@ -190,6 +198,10 @@ def filter_restore(
             ) from e
     finally:
         manager.close()
+    if via_host:
+        targets = [shardings[names[name]] for name in via_host]
+        placed = staging.device_put([restored[name] for name in via_host], targets)
+        restored.update(zip(via_host, placed, strict=True))
     out = {}
     for name, i in names.items():
         leaf = flat.leaves[i]

@@ -119,6 +119,25 @@ def device_put(xs: Sequence[Any], shardings: Sequence[Sharding]) -> list[Any]:
     return out
 
 
+def through_host(shape: tuple[int, ...], dtype: Any, sharding: Sharding) -> bool:
+    """Whether data of this shape read from storage (`filter_restore`) should come to the
+    host first and be staged onto `sharding`, rather than be read onto the devices."""
+    if jax.process_count() > 1 or not shape or 0 in shape:
+        return False
+    settings = config()
+    if settings.mode == "off" or not _may_stage(sharding, settings):
+        return False
+    like = host_placeholder(shape, dtype)
+    pieces = sharding.addressable_devices_indices_map(shape).values()
+    return min(like[index].nbytes for index in pieces) >= settings.min_bytes
+
+
+def host_placeholder(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """A NumPy array of `shape` and `dtype` that takes no memory (a broadcast view): what
+    asks a reader such as Orbax for host NumPy of that shape."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
+
+
 def _batched(xs: Sequence[Any], shardings: Sequence[Sharding]) -> list[Any]:
     """One batched `jax.device_put`. Leaves that all go to one sharding object pass it
     once: `device_put` then skips broadcasting a list of shardings over the leaves."""
