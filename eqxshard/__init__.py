@@ -1,7 +1,6 @@
 """eqxshard: sharding for Equinox models and other JAX PyTrees."""
 
-import importlib.metadata
-
+from . import _version
 from ._checkpoint.restore import filter_restore as filter_restore
 from ._checkpoint.save import (
     AsyncSave as AsyncSave,
@@ -38,4 +37,4 @@ from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map
 
-__version__ = importlib.metadata.version("eqxshard")
+__version__ = _version.version()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import equinox as eqx
 import jax
@@ -13,6 +13,8 @@ Path = tuple[Any, ...]
 # A verb that returns its input's structure is typed `(tree: T, ...) -> T`, so that
 # `filter_shard(model, mesh)` keeps `model`'s type for pyright and mypy users.
 T = TypeVar("T")
+# The parameters of a wrapped function, kept by verbs that return a function like it.
+Params = ParamSpec("Params")
 
 
 def is_array_like(x: Any) -> bool:

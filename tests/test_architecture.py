@@ -16,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "eqxshard"
 LAYERS = {
     "_compat": 0,
     "_tree": 0,
+    "_version": 0,
     "_placement": 1,
     "_mapping": 2,
     "_shard_map": 2,

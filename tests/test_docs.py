@@ -242,3 +242,22 @@ def test_every_public_name_has_an_api_entry():
     assert not missing, f"add a `::: eqxshard.NAME` line to docs/api.md for: {missing}"
     unknown = sorted(documented - set(PUBLIC))
     assert not unknown, f"docs/api.md documents names eqxshard does not export: {unknown}"
+
+
+def test_notebook_pages_are_titled_by_their_whole_heading():
+    """mkdocs-jupyter titles a notebook page by its first heading with the inline code
+    dropped ("on a large grid: and"); the site titles it from the nav instead, which must
+    spell the heading in full."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert re.search(r"^\s+ignore_h1_titles: true$", config, re.M)
+    nav = dict(
+        (path, title.strip('"'))
+        for title, path in re.findall(r"^\s+- (.+): (examples/\w+\.ipynb)$", config, re.M)
+    )
+    notebooks = sorted(p.name for p in (ROOT / "docs" / "examples").glob("*.ipynb"))
+    assert sorted(Path(p).name for p in nav) == notebooks
+    for path, title in nav.items():
+        cells = json.loads((ROOT / "docs" / path).read_text())["cells"]
+        heading = "".join(next(c for c in cells if c["cell_type"] == "markdown")["source"])
+        heading = heading.splitlines()[0].lstrip("# ").replace("`", "")
+        assert title == heading, f"{path}: nav title {title!r}, heading {heading!r}"

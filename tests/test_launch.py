@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import eqxshard
-from eqxshard._processes import initialize as _initialize, launcher as _launch
+from eqxshard._processes import children, initialize as _initialize, launcher as _launch
 
 # Only stops a run that hangs; the runs here take seconds.
 HANG_S = 120
@@ -83,8 +83,15 @@ def test_process_env():
 
 
 def test_child_command():
-    assert _launch.child_command(["train.py", "--x"]) == [sys.executable, "train.py", "--x"]
-    assert _launch.child_command(["-m", "pkg.mod"]) == [sys.executable, "-m", "pkg.mod"]
+    # Python 3.11 runs scripts through run_main.py (it sees `raise SystemExit(n)`).
+    runner = [children.RUN_MAIN] if sys.version_info < (3, 12) else []
+    assert _launch.child_command(["train.py", "--x"]) == [
+        sys.executable,
+        *runner,
+        "train.py",
+        "--x",
+    ]
+    assert _launch.child_command(["-m", "pkg.mod"]) == [sys.executable, *runner, "-m", "pkg.mod"]
     assert _launch.child_command(["./run.sh", "a"]) == ["./run.sh", "a"]
 
 
@@ -338,16 +345,19 @@ NEEDS_MONITORING = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("call", "status", "code", "atexit_ran"),
-    [("sys.exit", *e) for e in EXITS]
-    + [pytest.param("raise SystemExit", *e, marks=NEEDS_MONITORING) for e in EXITS],
+    ("call", "launched", "status", "code", "atexit_ran"),
+    [("sys.exit", False, *e) for e in EXITS]
+    + [pytest.param("raise SystemExit", False, *e, marks=NEEDS_MONITORING) for e in EXITS]
+    + [("raise SystemExit", True, *e) for e in EXITS],
 )
 def test_system_exit_at_the_top_ends_at_once_with_its_code(
-    tmp_path, call, status, code, atexit_ran
+    tmp_path, call, launched, status, code, atexit_ran
 ):
     """Non-zero: the process ends at once (no `atexit` handlers, where JAX's shutdown
     barrier waits), with the code it was given; zero: Python exits as usual. A
-    `SystemExit` caught on the way is a `SystemExit` as before."""
+    `SystemExit` caught on the way is a `SystemExit` as before. `launched`: started as
+    `python -m eqxshard.launch` starts it (`child_command`), which covers
+    `raise SystemExit(n)` on every Python, 3.11 included."""
     child = script(
         tmp_path,
         f"""
@@ -364,8 +374,9 @@ def test_system_exit_at_the_top_ends_at_once_with_its_code(
         main()
         """,
     )
+    command = children.child_command([str(child)]) if launched else [sys.executable, str(child)]
     done = subprocess.run(
-        [sys.executable, str(child)],
+        command,
         capture_output=True,
         text=True,
         timeout=HANG_S,

@@ -187,3 +187,29 @@ def test_plan_on_an_abstract_mesh_of_512_devices() -> None:
     odd = {"w": jax.ShapeDtypeStruct((100, 30), jnp.float32)}
     with pytest.raises(ValueError, match=r"(?s)no dim is divisible by 64.*\['w'\]"):
         filter_plan(odd, mesh, fsdp("data", min_size=0))
+
+
+def test_init_with_unconstrained_dims_places_them_as_filter_shard_does() -> None:
+    # Outside `jit`, `P.UNCONSTRAINED` dims are not split (`jit`'s `out_shardings` would
+    # refuse them); the same layout `filter_shard` gives the built model.
+    mesh = make_mesh("auto")
+    make = lambda key: eqx.nn.Linear(16, 8, key=key)
+    rule = eqxshard.logical(
+        path_rules([("weight", P("rows", P.UNCONSTRAINED)), (".*", P())]), {"rows": "data"}
+    )
+    model = filter_init(make, mesh, rule)(jax.random.key(0))
+    shard = eqxshard.filter_shard(make(jax.random.key(0)), mesh, rule)
+    assert model.weight.sharding.is_equivalent_to(shard.weight.sharding, 2)
+    assert model.weight.sharding.spec == P("data", None)
+    np.testing.assert_array_equal(model.weight, shard.weight)
+
+
+def test_unconstrained_on_a_mesh_without_auto_axes_names_the_leaf() -> None:
+    mesh = make_mesh("explicit")
+    rule = path_rules([("weight", P("data", P.UNCONSTRAINED)), (".*", P())])
+    make = lambda key: eqx.nn.Linear(16, 8, key=key)
+    match = r"(?s)`filter_init` got `P.UNCONSTRAINED`.*\.weight .*data: Explicit.*Use `None`"
+    with pytest.raises(ValueError, match=match):
+        filter_init(make, mesh, rule)(jax.random.key(0))
+    with pytest.raises(ValueError, match=match.replace("filter_init", "filter_shard")):
+        eqxshard.filter_shard(make(jax.random.key(0)), mesh, rule)

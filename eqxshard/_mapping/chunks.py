@@ -139,36 +139,58 @@ def check_same_size(
 
 
 def check_mapped_leaves(
-    paths: list[str], leaves: list[Any], axes: dict[int, int], name: str
+    paths: list[str], leaves: list[Any], axes: dict[int, int], name: str, *, host: bool = False
 ) -> int:
-    """Checks the mapped leaves (`axes`: leaf index -> axis); returns the common size."""
-    idx = list(axes)
-    not_arrays = [i for i in idx if not hasattr(leaves[i], "shape")]
-    if not_arrays:
-        raise TypeError(
-            f"`{name}` can only map over arrays, but `in_axes` maps these non-array leaves:\n"
-            + path_table(
-                [paths[i] for i in not_arrays], [type(leaves[i]).__name__ for i in not_arrays]
-            )
-            + "\nGive them `in_axes=None` (the default `eqx.if_array(0)` does)."
+    """Checks the mapped leaves (`axes`: leaf index -> axis); returns the common size.
+
+    `host=True` (`filter_stream`) also maps host objects that support `len(x)` and
+    slicing along axis 0 (rows read a chunk at a time), not only arrays."""
+    if host:
+        bad = [i for i, a in axes.items() if not _streamable(leaves[i], a)]
+        rows = [f"{type(leaves[i]).__name__}  in_axes {axes[i]}" for i in bad]
+        fix = "\nConvert them with `np.asarray`, or give them `in_axes=None` to broadcast them."
+        header = (
+            f"`{name}` streams rows of arrays or of host objects that support `len(x)` (or "
+            "`x.shape`) and slicing `x[i:j]` along axis 0 (other axes: NumPy/JAX arrays "
+            "only); these mapped leaves do not fit:\n"
         )
-    shapes = {i: tuple(leaves[i].shape) for i in idx}
+    else:
+        bad = [i for i in axes if not hasattr(leaves[i], "shape")]
+        rows = [type(leaves[i]).__name__ for i in bad]
+        fix = "\nGive them `in_axes=None` (the default `eqx.if_array(0)` does)."
+        header = f"`{name}` can only map over arrays, but `in_axes` maps these non-array leaves:\n"
+    if bad:
+        raise TypeError(header + path_table([paths[i] for i in bad], rows) + fix)
+    shapes = {i: tuple(getattr(leaves[i], "shape", (len(leaves[i]),))) for i in axes}
     check_axes_in_range(
         name,
         paths,
         axes,
         {i: len(s) for i, s in shapes.items()},
-        lambda i: f"shape {shapes[i]}  in_axes {axes[i]}",
+        lambda i: (
+            f"{len(shapes[i])} dims  in_axes {axes[i]}"
+            if host
+            else f"shape {shapes[i]}  in_axes {axes[i]}"
+        ),
     )
-    sizes = {i: shapes[i][axes[i]] for i in idx}
-    return check_same_size(
-        name,
-        paths,
-        sizes,
-        "size along its mapped axis",
-        lambda i: f"shape {shapes[i]}  axis {axes[i]}  size {sizes[i]}",
-        "Slice or pad them to one size, or broadcast some with `in_axes=None`.",
-    )
+    sizes = {i: shapes[i][axes[i]] for i in axes}
+    if host:
+        what, row = "number of rows", lambda i: f"{sizes[i]} rows"
+        fix = "Slice them to one length, or broadcast some with `in_axes=None`."
+    else:
+        what = "size along its mapped axis"
+        row = lambda i: f"shape {shapes[i]}  axis {axes[i]}  size {sizes[i]}"
+        fix = "Slice or pad them to one size, or broadcast some with `in_axes=None`."
+    return check_same_size(name, paths, sizes, what, row, fix)
+
+
+def _streamable(leaf: Any, axis: int) -> bool:
+    """A host object `filter_stream` can cut rows of along `axis`."""
+    if not hasattr(leaf, "__getitem__"):
+        return False
+    if not (hasattr(leaf, "shape") or hasattr(leaf, "__len__")):
+        return False
+    return axis == 0 or isinstance(leaf, np.ndarray | jax.Array)
 
 
 class _Trace:

@@ -6,6 +6,7 @@ import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any, overload
 
+from .._tree import Params, T
 from .axis_name import check_axis_name_size
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import (
@@ -13,7 +14,7 @@ from .chunks import (
     check_batch_size,
     named_in_axes,
 )
-from .map_scan import _rows_and_shards, _run
+from .map_scan import rows_and_shards, run_chunks
 
 
 @overload
@@ -27,12 +28,12 @@ def filter_map(
     axis_size: int | None = None,
     remat: bool = False,
     memory_budget: int | float | None = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
 
 
 @overload
 def filter_map(
-    fun: Callable[..., Any],
+    fun: Callable[Params, T],
     *,
     batch_size: int | str | None = None,
     in_axes: Any = IF_ARRAY_0,
@@ -41,7 +42,7 @@ def filter_map(
     axis_size: int | None = None,
     remat: bool = False,
     memory_budget: int | float | None = None,
-) -> Callable[..., Any]: ...
+) -> Callable[Params, T]: ...
 
 
 def filter_map(
@@ -192,15 +193,17 @@ def filter_map(
             )
         if auto is None:
             assert not isinstance(batch_size, str)  # only "auto", checked above
-            return _run(
+            return run_chunks(
                 fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", args
             )
 
         def run(k: int, a: tuple) -> Any:
-            return _run(fun, k, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", a)
+            return run_chunks(
+                fun, k, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", a
+            )
 
         named = named_in_axes(fun, in_axes, args, "filter_map")
-        n, shards = _rows_and_shards(args, named, "filter_map")
+        n, shards = rows_and_shards(args, named, "filter_map")
         return run(auto(run, args, n, shards), args)
 
     return mapped

@@ -66,7 +66,7 @@ def _scannable(x: Any) -> Any:
     return place.relayout(x, NamedSharding(sharding.mesh, P(None, *spec[1:])))
 
 
-def _rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
+def rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
     """The mapped size and how many shards split it (what `batch_size="auto"` searches)."""
     flat = jtu.tree_flatten_with_path(args)[0]
     leaves = [x for _, x in flat]
@@ -78,7 +78,7 @@ def _rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
     return n, max([c for c in counts if c >= 1 and n % c == 0], default=1)
 
 
-def _run(
+def run_chunks(
     fun: Callable,
     batch_size: int | None,
     in_axes: Any,

@@ -14,8 +14,14 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._compat import is_tracer
-from .chunks import IF_ARRAY_0, check_batch_size, named_in_axes, resolve_axes
-from .stream_host import NAME, check_mapped, host_chunk, output_to_host
+from .chunks import (
+    IF_ARRAY_0,
+    check_batch_size,
+    check_mapped_leaves,
+    named_in_axes,
+    resolve_axes,
+)
+from .stream_host import NAME, host_chunk, output_to_host
 from .stream_step import Step, compiled_step
 
 
@@ -47,7 +53,7 @@ def _run(
             f"`{NAME}` found nothing to stream: `in_axes` maps no argument. Give the inputs "
             "to stream an int axis (the default `eqx.if_array(0)` maps every array)."
         )
-    n = check_mapped(paths, leaves, ax)
+    n = check_mapped_leaves(paths, leaves, ax, NAME, host=True)
     idx = list(ax)
     streamed = [leaves[i] if ax[i] == 0 else np.moveaxis(leaves[i], ax[i], 0) for i in idx]
     if isinstance(mesh, Mesh):

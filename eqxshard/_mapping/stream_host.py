@@ -8,47 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .chunks import check_axes_in_range, check_same_size, path_table
-
 NAME = "filter_stream"
-
-
-def _rows(leaf: Any, axis: int) -> int:
-    shape = getattr(leaf, "shape", None)
-    return int(shape[axis]) if shape is not None else len(leaf)
-
-
-def check_mapped(paths: list[str], leaves: list[Any], axes: dict[int, int]) -> int:
-    """Checks the streamed leaves; returns their common number of rows."""
-    bad = [
-        i
-        for i, a in axes.items()
-        if not hasattr(leaves[i], "__getitem__")
-        or not (hasattr(leaves[i], "shape") or hasattr(leaves[i], "__len__"))
-        or (a != 0 and not isinstance(leaves[i], np.ndarray | jax.Array))
-    ]
-    if bad:
-        raise TypeError(
-            f"`{NAME}` streams rows of arrays or of host objects that support `len(x)` (or "
-            "`x.shape`) and slicing `x[i:j]` along axis 0 (other axes: NumPy/JAX arrays "
-            "only); these mapped leaves do not fit:\n"
-            + path_table(
-                [paths[i] for i in bad],
-                [f"{type(leaves[i]).__name__}  in_axes {axes[i]}" for i in bad],
-            )
-            + "\nConvert them with `np.asarray`, or give them `in_axes=None` to broadcast them."
-        )
-    ndims = {i: len(leaves[i].shape) if hasattr(leaves[i], "shape") else 1 for i in axes}
-    check_axes_in_range(NAME, paths, axes, ndims, lambda i: f"{ndims[i]} dims  in_axes {axes[i]}")
-    sizes = {i: _rows(leaves[i], a) for i, a in axes.items()}
-    return check_same_size(
-        NAME,
-        paths,
-        sizes,
-        "number of rows",
-        lambda i: f"{sizes[i]} rows",
-        "Slice them to one length, or broadcast some with `in_axes=None`.",
-    )
 
 
 def host_chunk(leaf: Any, start: int, stop: int, size: int) -> Any:

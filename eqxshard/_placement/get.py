@@ -6,14 +6,13 @@ from typing import Any
 
 import jax
 import numpy as np
-from jaxtyping import PyTree
 
 from .. import _compat
-from .._tree import Flat, leaf_error, pathstr
+from .._tree import Flat, T, leaf_error, pathstr
 from . import multihost
 
 
-def filter_get(tree: PyTree) -> PyTree:
+def filter_get(tree: T) -> T:
     """Brings every array leaf of `tree` to the host as a NumPy array.
 
     Each leaf comes back whole: for an array sharded across devices, or across the

@@ -37,12 +37,14 @@ def check_specs(
     repeated: list[tuple[str, ...]] = []
     rank: list[tuple[str, ...]] = []
     uneven: list[tuple[str, ...]] = []
+    unconstrained: list[tuple[str, ...]] = []
     # Inside `shard_map` a leaf is one shard and its Manual axes are dropped at placement,
     # so only the other axes must divide its (local) shape.
     context = _compat.context_abstract_mesh()
     types = {} if context is None else _compat.axis_type_map(context)
     manual = {name for name, t in types.items() if t == AxisType.Manual}
     rows = {"unknown": unknown, "repeated": repeated, "rank": rank, "uneven": uneven}
+    rows["unconstrained"] = unconstrained
     # Leaves of a model share a few layouts and shapes: each distinct one is checked once
     # (keyed by identity: `layouts` holds the meshes and specs alive for the whole loop).
     checked: dict[tuple[Any, ...], list[tuple[str, tuple[str, ...]]]] = {}
@@ -80,6 +82,16 @@ def check_specs(
                 "Give each leaf a spec with at most one entry per dim (`None` for unsplit dims).",
             )
         )
+    if unconstrained:
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` got `P.UNCONSTRAINED` in specs over meshes with no Auto axis:",
+                unconstrained,
+                "JAX lets the compiler choose a dim's layout only along Auto mesh axes. Use "
+                "`None` (not split) for these dims, or make the mesh axes Auto "
+                "(`jax.make_mesh(..., axis_types=(AxisType.Auto, ...))`).",
+            )
+        )
     if uneven:
         raise ValueError(
             leaf_error(
@@ -112,6 +124,11 @@ def _spec_problems(
     if len(spec) > len(shape):
         shown = f"spec {_compat.spec_str(spec)} has {len(spec)} entries"
         return [("rank", (f"shape {shape_str(shape)}", shown))]
+    if any(e is PartitionSpec.UNCONSTRAINED for e in spec) and AxisType.Auto not in set(
+        _compat.axis_type_map(mesh).values()
+    ):
+        types = ", ".join(f"{a}: {t.name}" for a, t in _compat.axis_type_map(mesh).items())
+        return [("unconstrained", (f"spec {_compat.spec_str(spec)}", f"mesh axes {types}"))]
     problems = []
     for dim, entry in enumerate(spec):
         split = [a for a in entry_axes(entry) if a not in manual]

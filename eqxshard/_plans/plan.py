@@ -9,15 +9,15 @@ instead of placing anything. `filter_init` uses that plan as the `out_shardings`
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic
 
 import equinox as eqx
 import jax
 from jax.sharding import Sharding
 from jaxtyping import PyTree
 
-from .._placement import resolve
-from .._tree import Flat, is_array_like
+from .._placement import place, resolve
+from .._tree import Flat, Params, T, is_array_like
 
 
 def plan_shardings(
@@ -88,15 +88,21 @@ def _device_groups(indices: list[int], shardings: dict[int, Sharding]) -> list[l
     return ordered
 
 
-class _Init:
-    def __init__(self, fn: Callable[..., Any], target: Any, spec: Any):
+def _settled(sharding: Sharding | None) -> Sharding | None:
+    """A concrete output's layout: `P.UNCONSTRAINED` dims not split, as `filter_shard`
+    places them outside `jit` (`jit`'s `out_shardings` refuses them)."""
+    return None if sharding is None else place.settled(sharding)
+
+
+class _Init(Generic[Params, T]):
+    def __init__(self, fn: Callable[Params, T], target: Any, spec: Any):
         self.fn, self.target, self.spec = fn, target, spec
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Flat, list[tuple[list[int], Any]], Any]:
         abstract = eqx.filter_eval_shape(self.fn, *args, **kwargs)
         flat, shardings = plan_shardings("filter_init", abstract, self.target, self.spec)
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
-        fn = self.fn
+        fn: Callable[..., Any] = self.fn
 
         def build(indices: list[int]) -> Callable[[Any], list[Any]]:
             def run(dynamic: Any) -> list[Any]:
@@ -108,13 +114,13 @@ class _Init:
 
         # One `jit` per device set the leaves go to (usually one); XLA drops from each
         # the work for the leaves it does not return.
-        jitted = [
-            (group, jax.jit(build(group), out_shardings=[shardings.get(i) for i in group]))
-            for group in _device_groups(flat.array_indices, shardings)
-        ]
+        jitted = []
+        for group in _device_groups(flat.array_indices, shardings):
+            out_shardings = [_settled(shardings.get(i)) for i in group]
+            jitted.append((group, jax.jit(build(group), out_shardings=out_shardings)))
         return flat, jitted, dynamic
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Params.args, **kwargs: Params.kwargs) -> T:
         flat, jitted, dynamic = self._prepare(args, kwargs)
         arrays: dict[int, Any] = {}
         for group, f in jitted:
@@ -128,7 +134,7 @@ class _Init:
         return jitted[0][1].lower(dynamic)
 
 
-def filter_init(fn: Callable[..., PyTree], target: Any = None, spec: Any = None) -> Any:
+def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -> _Init[Params, T]:
     """Wraps `fn` so that the PyTree it returns is created directly in its planned layout.
 
     `filter_init(fn, mesh, spec)(*args)` returns what `fn(*args)` returns, with every array

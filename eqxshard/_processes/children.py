@@ -12,11 +12,13 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import IO
 
 from .gloo_chatter import GlooChatter
 from .initialize import COORDINATOR_VAR, NUM_PROCESSES_VAR, PROCESS_ID_VAR
 
+# How often the launcher looks at its processes, and how long a SIGTERM has before SIGKILL.
 # JAX catches SIGTERM (it takes it as a preemption notice and carries on), so for a JAX
 # process the grace period is only a delay: kept short, a survivor ends about 1 s after a
 # process failed.
@@ -57,11 +59,18 @@ def process_env(
     return env
 
 
+# Python 3.11 has no `sys.monitoring`: there a script runs through this runner, which sees
+# a `SystemExit` leave it (see run_main.py).
+RUN_MAIN = str(Path(__file__).with_name("run_main.py"))
+
+
 def child_command(command: Sequence[str]) -> list[str]:
-    """`script.py args` and `-m module args` run with this Python; anything else as given."""
+    """`script.py args` and `-m module args` run with this Python (on Python 3.11 through
+    `run_main.py`); anything else as given."""
     command = list(command)
     if command and (command[0].endswith(".py") or command[0] == "-m"):
-        return [sys.executable, *command]
+        runner = [RUN_MAIN] if sys.version_info < (3, 12) else []
+        return [sys.executable, *runner, *command]
     return command
 
 

@@ -134,12 +134,7 @@ def _watch_system_exit() -> bool:
     def unwind(code: Any, offset: int, exception: BaseException) -> Any:
         if code is not outermost or not isinstance(exception, SystemExit):
             return None
-        status = exception.code
-        if _status_code(status) == 0:
-            return None
-        if not isinstance(status, int):
-            print(status, file=sys.stderr)
-        _end_now(_status_code(status), f"SystemExit({status!r})")
+        end_on_system_exit(exception.code)
 
     monitoring.use_tool_id(tool, "eqxshard")
     monitoring.register_callback(tool, events.PY_UNWIND, unwind)
@@ -147,9 +142,31 @@ def _watch_system_exit() -> bool:
     return True
 
 
+def end_on_system_exit(status: Any) -> None:
+    """Ends this process at once for a `SystemExit(status)` that left the program, unless
+    its code is 0 (then Python exits as usual, waiting for the others)."""
+    if _status_code(status) == 0:
+        return
+    if not isinstance(status, int):
+        print(status, file=sys.stderr)
+    _end_now(_status_code(status), f"SystemExit({status!r})")
+
+
+_PROMPT = False  # whether `_end_promptly_on_errors` ran in this process
+
+
+def ends_promptly() -> bool:
+    """Whether an uncaught error ends this process at once (`initialize` joined a run of
+    several processes with `exit_on_error=True`): read by `run_main.py`."""
+    return _PROMPT
+
+
 def _end_promptly_on_errors() -> None:
     """Makes an uncaught exception and an uncaught `SystemExit` with a non-zero code end
-    this process at once (on Python 3.11, `sys.exit(n)` only: see `_Exit`)."""
+    this process at once. On Python 3.11, `sys.exit(n)` only (see `_Exit`), and
+    `raise SystemExit(n)` too where the launcher started the process (`run_main.py`)."""
+    global _PROMPT
+    _PROMPT = True
     sys.excepthook = _exit_on_uncaught
     if not _watch_system_exit():
         sys.exit = _exit
@@ -224,9 +241,11 @@ def initialize(
     code. Ended at once, the others stop too: `python -m eqxshard.launch` ends them and
     exits with this process's code, and under any other launcher they exit with an error
     after `heartbeat_timeout_seconds`. `sys.exit(0)` and the end of the script wait for
-    the others as usual. On Python 3.11, which has no `sys.monitoring`, only `sys.exit(n)`
-    is covered (`initialize` replaces `sys.exit` there): `raise SystemExit(n)` written
-    out waits as above. `os._exit(n)` ends the process at once anyway.
+    the others as usual. On Python 3.11, which has no `sys.monitoring`, `sys.exit(n)` is
+    covered everywhere (`initialize` replaces `sys.exit` there) and `raise SystemExit(n)`
+    written out only in processes started by `python -m eqxshard.launch` (which runs the
+    script through a small runner that sees it); under other launchers it waits as above.
+    `os._exit(n)` ends the process at once anyway.
 
     **Arguments:**
 

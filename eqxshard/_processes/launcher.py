@@ -36,7 +36,6 @@ from .children import (
 )
 from .launcher_args import _check_arguments, _parser
 
-# How often the launcher looks at its processes, and how long a SIGTERM has before SIGKILL.
 # Exit codes of the launcher itself, as `timeout` and shells use them.
 TIMEOUT_EXIT = 124
 INTERRUPT_EXIT = 130

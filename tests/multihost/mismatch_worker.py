@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-from worker_common import check, join, run_scenarios
+from worker_common import check, join, raises, run_scenarios
 
 import eqxshard
 
@@ -36,26 +36,6 @@ def scenario(fn: Callable[[int], None]) -> Callable[[int], None]:
 
 def mesh8(kind: AxisType = AxisType.Explicit) -> Any:
     return jax.make_mesh((8,), ("data",), axis_types=(kind,))
-
-
-def raises(
-    fn: Callable[[], Any],
-    words: list[str],
-    absent: tuple[str, ...] = (),
-    kind: type[Exception] = ValueError,
-) -> str:
-    """`fn()` raises `kind` on this process, its message holding every one of `words`."""
-    try:
-        fn()
-    except kind as e:
-        message = str(e)
-    else:
-        raise AssertionError(f"no {kind.__name__}; expected one mentioning {words}")
-    for word in words:
-        check(word in message, f"{word!r} missing from the error:\n{message}")
-    for word in absent:
-        check(word not in message, f"{word!r} should not be in the error:\n{message}")
-    return message
 
 
 X = np.arange(8, dtype=np.float32)

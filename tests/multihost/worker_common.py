@@ -29,6 +29,27 @@ def check(condition: Any, message: str) -> None:
         raise AssertionError(message)
 
 
+def raises(
+    fn: Callable[[], Any],
+    words: list[str],
+    absent: Sequence[str] = (),
+    kind: type[Exception] = ValueError,
+) -> str:
+    """`fn()` raises `kind` on this process, its message holding every one of `words` and
+    none of `absent`; returns the message."""
+    try:
+        fn()
+    except kind as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"no {kind.__name__}; expected one mentioning {words}")
+    for word in words:
+        check(word in message, f"{word!r} missing from the error:\n{message}")
+    for word in absent:
+        check(word not in message, f"{word!r} should not be in the error:\n{message}")
+    return message
+
+
 def join(argv: Sequence[str]) -> tuple[int, list[str]]:
     """Joins the run that `argv` (`sys.argv`) names; returns this process's id and the
     arguments after `NUM_PROCESSES`."""

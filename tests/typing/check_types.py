@@ -24,3 +24,28 @@ def check_types(mesh: jax.sharding.Mesh) -> None:
 
     pair = (jnp.ones(3), {"b": jnp.zeros(2)})
     assert_type(eqxshard.filter_shard(pair, mesh), tuple[jax.Array, dict[str, jax.Array]])
+
+    # filter_get keeps the tree's type (its array leaves come back as NumPy).
+    assert_type(eqxshard.filter_get(model), eqx.nn.MLP)
+    assert_type(eqxshard.filter_get(pair), tuple[jax.Array, dict[str, jax.Array]])
+
+    # filter_init returns a function taking `make`'s arguments and returning its type.
+    def make(key: jax.Array, width: int = 8) -> eqx.nn.MLP:
+        return eqx.nn.MLP(2, 2, width, 1, key=key)
+
+    assert_type(eqxshard.filter_init(make, mesh, P())(jax.random.key(0)), eqx.nn.MLP)
+    assert_type(eqxshard.filter_init(make, mesh)(jax.random.key(0), width=4), eqx.nn.MLP)
+
+    # filter_map keeps the mapped function's signature, called directly or as a decorator.
+    def f(x: jax.Array, scale: float) -> tuple[jax.Array, jax.Array]:
+        return x * scale, x
+
+    assert_type(
+        eqxshard.filter_map(f, batch_size=2)(jnp.ones((4, 3)), 2.0), tuple[jax.Array, jax.Array]
+    )
+
+    @eqxshard.filter_map(batch_size=2)
+    def g(x: jax.Array) -> jax.Array:
+        return x + 1
+
+    assert_type(g(jnp.ones((4, 3))), jax.Array)
