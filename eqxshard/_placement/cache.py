@@ -22,6 +22,7 @@ and targets, specs or static fields that are not hashable.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from operator import attrgetter
@@ -138,7 +139,8 @@ def lookup(
     if found is None:
         indices = tuple(i for i, t in enumerate(types) if _kinds[t] == _ARRAY)
     else:
-        _plans.move_to_end(key)
+        with contextlib.suppress(KeyError):  # another thread may have dropped it since
+            _plans.move_to_end(key)
         indices = found[0]
     arrays = [leaves[i] for i in indices]
     shapes = (tuple(map(_shape, arrays)), tuple(map(_dtype, arrays)))
