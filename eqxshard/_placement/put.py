@@ -44,9 +44,10 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
     With only `memory_kind`, each leaf keeps its layout and changes memory: offload with
     `filter_put(state, memory_kind="pinned_host")`, bring back with
     `filter_put(state, memory_kind="device")`. Outside `jax.jit` this is one batched
-    `jax.device_put`. Inside `jax.jit`, memory kinds and layouts on the computation's own
-    devices work; moving a traced leaf to a device or backend does not (JAX cannot), and
-    raises. Non-array leaves are returned unchanged.
+    `jax.device_put` (big host NumPy leaves bound for an accelerator staged through
+    pinned host memory in parts, as `filter_shard` does). Inside `jax.jit`, memory kinds
+    and layouts on the computation's own devices work; moving a traced leaf to a device or
+    backend does not (JAX cannot), and raises. Non-array leaves are returned unchanged.
 
     **Arguments:**
 
@@ -75,7 +76,8 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         kind the target devices lack, a prefix tree that does not match `tree`, or a
         traced leaf asked to move to another device or backend inside `jit` (do the move
         outside `jit`), or a memory kind inside `jit` on a JAX that cannot move memory
-        there (jax < 0.8 on CPU).
+        there (jax < 0.8 on CPU), or if `EQXSHARD_STAGING` or `EQXSHARD_STAGING_BYTES`
+        holds a value it cannot read.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 

@@ -29,9 +29,13 @@ def filter_shard(
     Outside `jax.jit` this is a real transfer: one batched `jax.device_put` over every
     leaf that needs moving, across devices, device sets and backends (NumPy inputs,
     uncommitted and committed `jax.Array`s alike). Leaves already laid out as asked are
-    returned as they are, with no copy. Inside `jax.jit` it is a layout constraint chosen
-    by the mesh's axis types (`with_sharding_constraint` on Auto axes, a reshard on
-    Explicit axes, both on a mixed mesh), so the same call works in both places.
+    returned as they are, with no copy (and if none has to move, `tree` itself). Big host
+    NumPy leaves bound for an accelerator are staged through pinned host memory in parts
+    (`EQXSHARD_STAGING`, `EQXSHARD_STAGING_BYTES`; bit-identical to `jax.device_put`). A
+    call like one made before (the same tree structure, leaf types, shapes, dtypes,
+    `target` and `spec`) reuses what that call resolved. Inside `jax.jit` it is a layout
+    constraint chosen by the mesh's axis types (`with_sharding_constraint` on Auto axes, a
+    reshard on Explicit axes, both on a mixed mesh), so the same call works in both places.
     Non-array leaves are returned unchanged (the very same objects).
 
     It is a drop-in replacement for `eqx.filter_shard(x, device_or_shardings)`.
@@ -90,7 +94,8 @@ def filter_shard(
         traced leaf would have to move to another device set or backend inside `jit`
         (do that move outside `jit`); `process_local=True` is used inside `jit` or with a
         non-mesh target, or processes pass different local shapes; processes pass
-        different data for a global array.
+        different data for a global array; `EQXSHARD_STAGING` or
+        `EQXSHARD_STAGING_BYTES` holds a value it cannot read.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 
