@@ -9,7 +9,7 @@ import pytest
 from helpers import assert_placed, make_mesh, make_model, named
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eqxshard import filter_put, filter_shard
+from eqxshard import filter_put, filter_replicate, filter_shard
 from eqxshard._placement import cache, resolve
 
 
@@ -172,3 +172,15 @@ def test_filter_put_remembers_memory_kinds(resolves):
     assert on_host["x"].sharding.memory_kind == "pinned_host"
     assert back["x"].sharding.memory_kind == "device"
     assert filter_put(back, device, memory_kind="device") is back
+
+
+def test_filter_replicate_remembers_too(resolves):
+    mesh, small = make_mesh("auto", (8,), ("data",)), make_mesh("auto", (2,), ("data",))
+    tree = {"x": jnp.ones((3, 5))}  # jax.Arrays: placed ones have the same leaf types
+    placed = filter_replicate(tree, mesh)
+    assert filter_replicate(placed, mesh) is placed
+    other = filter_replicate(placed, small)
+    assert resolves == ["filter_replicate", "filter_replicate"]
+    assert_placed(other["x"], named(small), tree["x"])
+    with pytest.raises(ValueError, match="no `mesh` and no mesh is set"):
+        filter_replicate(tree)

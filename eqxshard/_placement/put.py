@@ -146,7 +146,7 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         for i, s in shardings.items():
             if s is None:
                 placed[i] = place.to_memory_kind(flat.leaves[i], memory_kind)
-    return flat.rebuild(placed)
+    return flat.rebuild(placed) if placed else tree
 
 
 def _current_sharding(x: Any) -> Sharding | None:

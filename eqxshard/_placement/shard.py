@@ -175,7 +175,7 @@ def filter_shard(
     moves = None if found.key is None else cache.moves_of(shardings)
     if moves is not None:
         cache.store(found, moves)
-    return flat.rebuild(placed)
+    return flat.rebuild(placed) if placed else tree
 
 
 def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
@@ -219,10 +219,26 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
             f"`filter_replicate` takes a `Mesh` as `mesh`, but got {type(mesh).__name__}. "
             "To replicate on a device or a sharding, use `filter_shard(tree, target)`."
         )
-    flat = Flat(tree)
     target = resolve.UNSET if mesh is None else mesh
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = cache.lookup(
+        leaves,
+        treedef,
+        ("filter_replicate",),
+        target=target,
+        spec=resolve.UNSET,
+        target_leaf=targets.is_target_leaf,
+        spec_leaf=targets.is_spec_leaf,
+    )
+    if found.moves is not None:
+        return cache.place_tree(tree, leaves, treedef, found.moves)
+    flat = Flat(tree)
     sync = resolve.must_sync(target)
     if not any(flat.is_array) and not sync:
         return tree
     shardings = resolve.resolve("filter_replicate", flat, target, resolve.UNSET)
-    return flat.rebuild(place.place("filter_replicate", flat, shardings))
+    placed = place.place("filter_replicate", flat, shardings)
+    moves = None if found.key is None else cache.moves_of(shardings)
+    if moves is not None:
+        cache.store(found, moves)
+    return flat.rebuild(placed) if placed else tree
