@@ -158,7 +158,10 @@ def _may_stage(sharding: Sharding, settings: Config) -> bool:
 
 def _stages(x: Any, sharding: Sharding, settings: Config) -> bool:
     """Whether this leaf goes through the staging path."""
-    if type(x) is not np.ndarray or x.size == 0 or not _may_stage(sharding, settings):
+    # Cheap tests first: most leaves of a model are small, and no piece outgrows its leaf.
+    if type(x) is not np.ndarray or x.nbytes < settings.min_bytes:
+        return False
+    if not _may_stage(sharding, settings):
         return False
     pieces = sharding.addressable_devices_indices_map(x.shape).values()
     return min(x[index].nbytes for index in pieces) >= settings.min_bytes
