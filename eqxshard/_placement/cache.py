@@ -121,8 +121,6 @@ def lookup(
     if jax.process_count() > 1 or _compat.tracing():
         return NEVER
     types = tuple(map(type, leaves))
-    if any(_kind(t) == _TRACED for t in set(types)):
-        return NEVER
     try:
         key = (
             call,
@@ -136,7 +134,9 @@ def lookup(
         found = _plans.get(key)
     except Exception:  # unhashable or unusual targets, specs or static fields
         return NEVER
-    if found is None:
+    if found is None:  # (a key found was stored with concrete leaves only: no check)
+        if any(_kind(t) == _TRACED for t in set(types)):
+            return NEVER
         indices = tuple(i for i, t in enumerate(types) if _kinds[t] == _ARRAY)
     else:
         with contextlib.suppress(KeyError):  # another thread may have dropped it since
