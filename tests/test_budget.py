@@ -98,6 +98,16 @@ def test_filter_map_auto_under_jit_and_as_decorator():
     np.testing.assert_allclose(jax.jit(f)(x), jnp.sin(x) * 2, rtol=1e-6)
 
 
+def test_auto_with_non_array_outputs():
+    # The search compiles the program for its memory: it keeps only the array outputs, so
+    # a non-array output (returned as `filter_map` returns it at an int size) does not fail.
+    x = jnp.ones((6, 3))
+    mapped = eqxshard.filter_map(lambda r: (r * 2, "tag"), batch_size="auto", memory_budget=2**30)
+    out, tag = mapped(x)
+    assert tag == "tag"
+    np.testing.assert_allclose(out, x * 2)
+
+
 def test_batched_leaves_reads_one_vmap_and_gives_up_on_two():
     seen = []
 

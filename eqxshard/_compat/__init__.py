@@ -13,6 +13,7 @@ Imports: JAX only (nothing else of eqxshard).
 from .arrays import (
     TRACED_MEMORY_KINDS as TRACED_MEMORY_KINDS,
     Tracer as Tracer,
+    astype_weak as astype_weak,
     batched_leaves as batched_leaves,
     is_jax_dtype as is_jax_dtype,
     is_prng_key as is_prng_key,

@@ -99,6 +99,18 @@ def is_jax_dtype(dtype: Any) -> bool:
     return bool(jnp.issubdtype(dtype, np.bool_) or jnp.issubdtype(dtype, np.number))
 
 
+def astype_weak(x: Any, dtype: Any, weak_type: bool) -> Any:
+    """`x` converted to `dtype`, weakly typed if `weak_type` (as `jax.jacfwd` returns the
+    Jacobian of a weakly typed output). `jax.lax.convert_element_type` always gives a
+    strong type; JAX's own conversion with `weak_type` is private. A JAX without it gets
+    the strong type."""
+    try:
+        from jax._src.lax.lax import _convert_element_type
+    except ImportError:  # pragma: no cover - a JAX that moved it
+        return jax.lax.convert_element_type(x, dtype)
+    return _convert_element_type(x, np.dtype(dtype), weak_type)
+
+
 def tracing() -> bool:
     """Whether a transformation (`jit`, `vmap`, `grad`, ...) is tracing right now.
 

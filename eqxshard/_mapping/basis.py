@@ -14,6 +14,9 @@ import jax.tree_util as jtu
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from .. import _compat
+from .._placement import place
+
 
 def one_hots(tree: Any, i: Any) -> Any:
     """The `i`-th standard basis vector of the space of `tree`'s array leaves, as a tree."""
@@ -100,9 +103,19 @@ def pushed(
 
     def empty(s: Any) -> Any:
         shape = (d, m, *s.shape) if rev else (*s.shape, d, m)
-        return constrain(jnp.zeros(shape, s.dtype), lead % len(shape))
+        buffer = jnp.zeros(shape, s.dtype)
+        # An output laid out on Explicit axes (a traced leaf's type says so)
+        sharding = _compat.traced_sharding(s) if _compat.is_tracer(s) else None
+        if isinstance(sharding, NamedSharding) and any(e is not None for e in sharding.spec):
+            # The chunks written into the buffer carry that layout in their type; the
+            # buffer must too (`dynamic_update_slice` takes no other).
+            spec = [*sharding.spec, *[None] * (len(s.shape) - len(sharding.spec))]
+            spec = [None, None, *spec] if rev else [*spec, None, None]
+            buffer = place.relayout(buffer, NamedSharding(sharding.mesh, P(*spec)))
+        return constrain(buffer, lead % len(shape))
 
-    buffer = jtu.tree_map(empty, jax.eval_shape(one, 0))
+    # One basis vector traced for its output's type (XLA drops the unused work).
+    buffer = jtu.tree_map(empty, one(0))
     if steps:
         buffer = jax.lax.fori_loop(0, steps, lambda j, buf: write(buf, j * b, b), buffer)
     if rem:

@@ -11,6 +11,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._compat import batched_leaves, is_tracer
+from .programs import static_key
 
 # Without `memory_budget=`, this fraction of the device's `bytes_limit` is the budget: the
 # rest is left for the inputs, the outputs and whatever else lives on the device.
@@ -77,14 +78,6 @@ def _abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
-def _key(x: Any) -> Hashable:
-    try:
-        hash(x)
-    except TypeError:
-        return ("id", id(x))
-    return x
-
-
 class AutoBatchSize:
     """Finds and caches, per input shapes and statics, the largest fitting chunk size."""
 
@@ -93,10 +86,18 @@ class AutoBatchSize:
         self.memory_budget = memory_budget
         self.cache: dict[Hashable, int] = {}
 
-    def __call__(self, run: Callable[[int, Any], Any], args: Any, n: int, step: int = 1) -> int:
+    def __call__(
+        self,
+        run: Callable[[int, Any], Any],
+        args: Any,
+        n: int | Callable[[], int],
+        step: int = 1,
+    ) -> int:
         """The largest `k` (a multiple of `step`, at most `n` rounded up to `step`) such that
         `run(k, args)` compiles to temporaries within the budget. Under `jax.vmap` the
-        program measured is the vmapped one (what `jit(vmap(...))` compiles).
+        program measured is the vmapped one (what `jit(vmap(...))` compiles). `n` may be a
+        function, called only when the arguments' shapes and statics are new (it must be
+        determined by them).
         """
         dynamic, static = eqx.partition(args, eqx.is_array)
         leaves, treedef = jtu.tree_flatten(dynamic)
@@ -107,10 +108,13 @@ class AutoBatchSize:
         key = (
             treedef,
             static_def,
-            tuple(_key(s) for s in static_leaves),
-            tuple((x.shape, x.dtype, _key(getattr(_abstract(x), "sharding", None))) for x in vals),
+            tuple(static_key(s) for s in static_leaves),
+            tuple(
+                (x.shape, x.dtype, static_key(getattr(_abstract(x), "sharding", None)))
+                for x in vals
+            ),
             dims,
-            n,
+            None if callable(n) else n,
             step,
             budget,
         )
@@ -119,13 +123,15 @@ class AutoBatchSize:
 
             def measure(k: int) -> int:
                 def program(*ls: Any) -> Any:
-                    return run(k, eqx.combine(jtu.tree_unflatten(treedef, ls), static))
+                    out = run(k, eqx.combine(jtu.tree_unflatten(treedef, ls), static))
+                    return eqx.filter(out, eqx.is_array)  # `jit` returns arrays only
 
                 if batched is not None:
                     program = jax.vmap(program, in_axes=dims)
                 return temp_bytes(program, *abstract)
 
-            self.cache[key] = largest_fitting(measure, n, budget, step, self.name)
+            rows = n() if callable(n) else n
+            self.cache[key] = largest_fitting(measure, rows, budget, step, self.name)
         return self.cache[key]
 
 

@@ -25,8 +25,9 @@ def filter_jacrev(
     vectors at a time: a drop-in for `eqx.filter_jacrev` whose memory is bounded.
 
     One forward pass, then `jax.vjp` of each row's basis vector, `batch_size` rows per step
-    of one `jax.lax.fori_loop`. Works eagerly, under `jax.jit`, under
-    `jax.vmap` (batched Jacobians) and nested (see `filter_hessian`).
+    of one `jax.lax.fori_loop`. Works eagerly (compiled once per input shapes and statics,
+    as `eqx.filter_jit` caches), under `jax.jit`, under `jax.vmap` (batched Jacobians) and
+    nested (see `filter_hessian`).
 
     **Arguments:**
 
@@ -58,19 +59,22 @@ def filter_jacrev(
     A function with the arguments of `fun`, returning the Jacobian as `eqx.filter_jacrev`
     does: a PyTree of the structure of `fun`'s output whose leaves are PyTrees of the
     structure of the first argument (non-differentiated leaves `None`), each leaf of shape
-    `output_leaf.shape + input_leaf.shape`. With `has_aux`, the pair `(jacobian, aux)`.
+    `output_leaf.shape + input_leaf.shape`, in its input leaf's dtype and weak type (as
+    `eqx.filter_jacrev`). With `has_aux`, the pair `(jacobian, aux)`.
 
     **Raises:**
 
     - `TypeError`: if `fun` is not callable; if `batch_size` is not `None`, an int or
         `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
-        not axis names.
+        not axis names. When called: if an output leaf is complex or integer (reverse mode needs
+        real floating-point outputs, as `jax.jacrev` without `holomorphic`).
     - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
         `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
         without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
         with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
-        says how many bytes the smallest chunk needs).
+        says how many bytes the smallest chunk needs). When called: if the first argument
+        has no floating-point array leaf (nothing to differentiate).
 
     !!! Example
 
@@ -102,8 +106,10 @@ def filter_jacfwd(
     """Computes the Jacobian of `fun` with forward-mode AD, a chunk of input basis
     vectors at a time: a drop-in for `eqx.filter_jacfwd` whose memory is bounded.
 
-    One `jax.linearize` of `fun`, then its tangent map applied to `batch_size` input basis
-    vectors per step of one `jax.lax.fori_loop`. Works eagerly, under
+    `jax.jvp` of `fun` at `batch_size` input basis vectors per step of one
+    `jax.lax.fori_loop`, as `jax.jacfwd` pushes all of them at once (so what it
+    differentiates works here, `jax.custom_batching.custom_vmap` included). Works eagerly
+    (compiled once per input shapes and statics, as `eqx.filter_jit` caches), under
     `jax.jit`, under `jax.vmap` and nested.
 
     **Arguments:**
@@ -134,20 +140,23 @@ def filter_jacfwd(
     **Returns:**
 
     A function with the arguments of `fun`, returning the Jacobian as `eqx.filter_jacfwd`
-    does (see `filter_jacrev`). With `mesh`, the result is sharded along its input (last)
-    dimensions. With `has_aux`, the pair `(jacobian, aux)`.
+    does (see `filter_jacrev`), each leaf in its output leaf's dtype and weak type (an
+    integer output gives integer zeros). With `mesh`, the result is sharded along its input
+    (last) dimensions. With `has_aux`, the pair `(jacobian, aux)`.
 
     **Raises:**
 
     - `TypeError`: if `fun` is not callable; if `batch_size` is not `None`, an int or
         `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
-        not axis names.
+        not axis names. When called: if a floating-point leaf of the first argument is complex
+        (forward mode needs real inputs, as `jax.jacfwd` without `holomorphic`).
     - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
         `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
         without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
         with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
-        says how many bytes the smallest chunk needs).
+        says how many bytes the smallest chunk needs). When called: if the first argument
+        has no floating-point array leaf (nothing to differentiate).
 
     !!! Example
 
@@ -220,13 +229,15 @@ def filter_hessian(
 
     - `TypeError`: if `fun` is not callable; if `batch_size` is not `None`, an int or
         `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
-        not axis names.
+        not axis names. When called: if a floating-point leaf of the first argument is complex,
+        or an output leaf of `fun` is not real floating-point.
     - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
         `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
         without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
         with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
-        says how many bytes the smallest chunk needs).
+        says how many bytes the smallest chunk needs). When called: if the first argument
+        has no floating-point array leaf (nothing to differentiate).
 
     !!! Example
 
