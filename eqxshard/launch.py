@@ -1,8 +1,11 @@
-"""`python -m eqxshard.launch -n N [options] -- script.py [args ...]`.
+"""`python -m eqxshard.launch (-n N | --hosts H1,H2 | --hostfile F) [options] -- script.py`.
 
-Runs `script.py` as N processes of one JAX run on this machine, with gloo collectives on
-127.0.0.1, each line of output prefixed by its process (`[0] `, `[1] `, ...). The script
-joins the run with `eqxshard.initialize()`.
+Runs `script.py` as the processes of one JAX run: N processes on this machine (gloo
+collectives on 127.0.0.1), or `--processes-per-host K` on each host, started through
+`ssh -o BatchMode=yes {host}` (or `--remote TEMPLATE`) with the coordinator on the first
+host. Each line of output is prefixed by its process (`[0] `, `[1] `, ...);
+`--max-restarts R` starts the run again after a failure. The script joins the run with
+`eqxshard.initialize()`. See `eqxshard._processes.launcher` and docs/scaling_out.md.
 """
 
 import sys

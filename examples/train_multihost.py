@@ -148,13 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             log(f"--resume: no checkpoint in {args.checkpoint_dir} yet, starting at step 0")
 
-    @eqx.filter_jit
+    # The parameters and the state stay in their planned layout, the loss replicated.
+    # (Nothing donated: a background checkpoint save may still read the old arrays.)
+    @eqxshard.filter_jit(out_shardings=(rule, eqxshard.like(params), P()), mesh=mesh)
     def train_step(model, opt_state, x, y):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
         updates, opt_state = optimiser.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)
-        model = eqxshard.filter_shard(model, mesh, rule)  # keep the planned layout
-        opt_state = eqxshard.filter_shard(opt_state, mesh, eqxshard.like(params))
         return model, opt_state, loss
 
     first = None

@@ -7,13 +7,20 @@ version (`jax.make_mesh` defaults to Explicit axes from jax 0.9, to Auto before)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, Sharding
+
+if TYPE_CHECKING:
+    # `jax.Device` is a name jax assigns at import (`Device = xla_client.Device`), which a type
+    # checker cannot use in an annotation; this is the class it names.
+    from jaxlib._jax import Device
+else:
+    Device = jax.Device
 
 SHAPE = (4, 2)
 NAMES = ("data", "model")
@@ -31,7 +38,7 @@ def make_mesh(
     kind: str = "auto",
     shape: Sequence[int] = SHAPE,
     names: Sequence[str] = NAMES,
-    devices: Sequence[jax.Device] | None = None,
+    devices: Sequence[Device] | None = None,
 ) -> Mesh:
     """A mesh of `shape` named `names`, with the axis types of `kind`.
 
@@ -64,7 +71,7 @@ def mixed_mesh(**kwargs: Any) -> Mesh:
     return make_mesh("mixed", **kwargs)
 
 
-def mesh_on(kind: str, devices: Sequence[jax.Device], names: Sequence[str] = ("data",)) -> Mesh:
+def mesh_on(kind: str, devices: Sequence[Device], names: Sequence[str] = ("data",)) -> Mesh:
     """A one-axis (by default) mesh of `kind` over exactly `devices`."""
     shape = (len(devices),) + (1,) * (len(names) - 1)
     return make_mesh(kind, shape=shape, names=names, devices=devices)
@@ -128,15 +135,18 @@ def assert_equal_value(x: Any, expected: Any) -> None:
     np.testing.assert_array_equal(_values(x), _values(expected))
 
 
-def assert_placed(x: Any, sharding: Sharding, value: Any = None, *, committed: bool = True) -> None:
+def assert_placed(
+    x: Any, sharding: Sharding, value: Any = None, *, committed: bool = True, where: str = ""
+) -> None:
     """`x` is a `jax.Array` laid out as `sharding`, holding `value` (if given).
 
-    Checks `sharding.is_equivalent_to`, the device set, `committed`, and the value.
+    Checks `sharding.is_equivalent_to`, the device set, `committed`, and the value. `where`
+    (a leaf path, say) starts the message of a failed check.
     """
-    assert isinstance(x, jax.Array), type(x)
-    assert x.sharding.is_equivalent_to(sharding, x.ndim), (x.sharding, sharding)
-    assert x.sharding.device_set == sharding.device_set
-    assert x.committed is committed
+    assert isinstance(x, jax.Array), (where, type(x))
+    assert x.sharding.is_equivalent_to(sharding, x.ndim), (where, x.sharding, sharding)
+    assert x.sharding.device_set == sharding.device_set, where
+    assert x.committed is committed, where
     if value is not None:
         assert_equal_value(x, value)
 

@@ -273,13 +273,13 @@ def test_save_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="step 1 already saved"):
         filter_save(tmp_path, 1, model)
     with pytest.raises(TypeError, match="int `step`, but got str"):
-        filter_save(tmp_path, "2", model)
+        filter_save(tmp_path, "2", model)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match="int `step`, but got bool"):
         filter_save(tmp_path, True, model)
     with pytest.raises(ValueError, match="`step` >= 0, but got -1"):
         filter_save(tmp_path, -1, model)
     with pytest.raises(TypeError, match="`directory` as a `str` or `os.PathLike`"):
-        filter_save(3, 2, model)
+        filter_save(3, 2, model)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="`max_to_keep` >= 1"):
         filter_save(tmp_path, 2, model, max_to_keep=0)
     with pytest.raises(ValueError, match="no array leaves"):
@@ -363,7 +363,7 @@ def test_a_background_save_is_finished_when_the_program_ends(tmp_path: Path) -> 
     assert latest_step(tmp_path) == 3
     like = {"w": jax.ShapeDtypeStruct((512, 512), jnp.float32)}
     out = filter_restore(tmp_path, like, jax.devices()[0])
-    assert (out["w"] == jnp.arange(512.0**2).reshape(512, 512)).all()
+    assert_tree_values(out, {"w": jnp.arange(512.0**2).reshape(512, 512)})
 
 
 def test_a_failed_background_save_at_exit_is_reported(tmp_path: Path) -> None:

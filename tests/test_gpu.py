@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import (
+    Device,
     assert_equal_value,
     assert_placed,
     assert_statics_same,
@@ -30,7 +31,7 @@ import eqxshard
 from eqxshard import _compat
 
 
-def _devices(platform: str) -> list[jax.Device]:
+def _devices(platform: str) -> list[Device]:
     try:
         return jax.devices(platform)
     except RuntimeError:  # that backend is not enabled (JAX_PLATFORMS) or not present
@@ -47,7 +48,7 @@ needs_cpu = pytest.mark.skipif(
 )
 
 
-def _gpus() -> list[jax.Device]:
+def _gpus() -> list[Device]:
     return _devices("gpu")
 
 
@@ -90,6 +91,7 @@ def test_filter_shard_cpu_model_onto_a_gpu_mesh(kind: str) -> None:
         assert_placed(x, named(mesh), ref)
     rows = eqxshard.filter_shard(batch, mesh, P("data"))
     assert_placed(rows, named(mesh, "data"), batch)
+    assert isinstance(rows, jax.Array)  # typed as the NumPy batch it was made from
     assert {d.platform for d in rows.sharding.device_set} == {"gpu"}
 
     back = eqxshard.filter_shard(sharded, _devices("cpu")[0])
@@ -181,10 +183,12 @@ def test_sharded_training_step_matches_the_cpu(kind: str) -> None:
         gpu_model = eqxshard.filter_replicate(model, mesh)
         gpu_state = eqxshard.filter_replicate(optimizer.init(eqx.filter(model, eqx.is_array)), mesh)
         gpu_step = _make_step(optimizer, mesh)
+        ref_loss = gpu_loss = None
         for _ in range(3):
             ref_model, ref_state, ref_loss = ref_step(ref_model, ref_state, x, y)
             gpu_model, gpu_state, gpu_loss = gpu_step(gpu_model, gpu_state, x, y)
 
+    assert ref_loss is not None and gpu_loss is not None
     np.testing.assert_allclose(float(gpu_loss), float(ref_loss), rtol=1e-5)
     for g, r in _array_pairs(gpu_model, ref_model):
         assert_placed(g, named(mesh))

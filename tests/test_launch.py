@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 import eqxshard
-from eqxshard._processes import children, initialize as _initialize, launcher as _launch
+from eqxshard._processes import (
+    children,
+    exits as _exits,
+    initialize as _initialize,
+    launcher as _launch,
+)
 
 # Only stops a run that hangs; the runs here take seconds.
 HANG_S = 120
@@ -324,8 +329,8 @@ def test_sys_exit_after_initialize_is_still_a_system_exit(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     # Python 3.11's way (on 3.12+ `sys.exit` is left alone): not `sys.monitoring` here,
     # which would outlive the test and end pytest itself at its exit.
-    monkeypatch.setattr(_initialize, "_watch_system_exit", lambda: False)
-    _initialize._end_promptly_on_errors()
+    monkeypatch.setattr(_exits, "_watch_system_exit", lambda: False)
+    _exits._end_promptly_on_errors()
     for status, code in [(3, 3), (None, None), ("bye", "bye"), (0, 0)]:
         with pytest.raises(SystemExit) as info:
             sys.exit(status)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,6 +25,12 @@ def params_on(mesh) -> eqx.nn.MLP:
     return eqx.filter(eqxshard.filter_shard(model, mesh, RULES), eqx.is_array)
 
 
+def init_of(optimiser: optax.GradientTransformation) -> Callable[[Any], tuple[Any, ...]]:
+    """`optimiser.init`, typed as used here: optax types parameters and states as `ArrayTree`,
+    which an Equinox module is not and whose parts cannot be indexed; these states are tuples."""
+    return cast(Callable[[Any], tuple[Any, ...]], optimiser.init)
+
+
 def check_adam_state(state, params, mesh) -> None:
     adam = state[0]
     for moments in (adam.mu, adam.nu):
@@ -37,7 +46,7 @@ def test_outside_jit_lays_out_an_existing_state(kind: str) -> None:
     mesh = make_mesh(kind)
     params = params_on(mesh)
     optimiser = optax.adam(1e-3)
-    state = optimiser.init(params)  # eagerly: the moments follow, the counter does not
+    state = init_of(optimiser)(params)  # eagerly: the moments follow, the counter does not
     assert state[0].count.sharding.device_set == {jax.devices()[0]}
     placed = eqxshard.filter_shard(state, mesh, like(params))
     check_adam_state(placed, params, mesh)
@@ -49,9 +58,9 @@ def test_filter_init_creates_the_state_in_place(kind: str) -> None:
     mesh = make_mesh(kind)
     params = params_on(mesh)
     optimiser = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
-    state = filter_init(optimiser.init, mesh, like(params))(params)
+    state = filter_init(init_of(optimiser), mesh, like(params))(params)
     check_adam_state(state[1], params, mesh)
-    expected = optimiser.init(params)
+    expected = init_of(optimiser)(params)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -99,14 +108,14 @@ def test_jit_of_init_alone_does_not_follow_on_auto_meshes() -> None:
     choice, not like the parameters, on Auto meshes."""
     mesh = make_mesh("auto")
     params = params_on(mesh)
-    state = eqx.filter_jit(optax.adam(1e-3).init)(params)
+    state = eqx.filter_jit(init_of(optax.adam(1e-3)))(params)
     weight = params.layers[0].weight
     assert not state[0].mu.layers[0].weight.sharding.is_equivalent_to(weight.sharding, 2)
     # On Explicit meshes (with the mesh set) the moments follow the parameters already.
     mesh = make_mesh("explicit")
     params = params_on(mesh)
     with jax.set_mesh(mesh):
-        state = eqx.filter_jit(optax.adam(1e-3).init)(params)
+        state = eqx.filter_jit(init_of(optax.adam(1e-3)))(params)
     assert_sharding(state[0].mu.layers[0].weight.sharding, params.layers[0].weight.sharding, 2)
 
 

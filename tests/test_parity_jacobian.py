@@ -4,6 +4,8 @@ one compilation per shapes for eager calls."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -228,7 +230,8 @@ def test_input_sharded_over_a_mesh_as_equinox(verb, setting, kind):
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("rows")),
     )
     ours, theirs = VERBS[verb]
-    options = {"batch_size": 3} if setting == "int" else SETTINGS["auto"]
+    options: dict[str, Any] = {"batch_size": 3} if setting == "int" else SETTINGS["auto"]
     got, want = ours(jnp.sin, **options)(x), theirs(jnp.sin)(x)
     _same(got, want)
+    assert isinstance(want, jax.Array)  # Equinox's result is inferred as `jac` or `(jac, aux)`
     assert got.sharding.is_equivalent_to(want.sharding, got.ndim)

@@ -2,6 +2,8 @@
 every `in_axes`/`out_axes` form, at batch sizes that do and do not divide the mapped axis.
 Values, shapes, dtypes, statics and (for arrays) output shardings must all agree."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -221,9 +223,11 @@ def test_out_axes_forms(out_axes):
     fun = _f
     if out_axes in (0, 1, -1) or out_axes == eqx.if_array(1):
 
-        def fun(x, y, label):  # every output mapped: arrays only, all varying with the rows
+        def mapped_only(x, y, label):  # every output mapped: arrays only, all varying with rows
             out, _ = _f(x, y, label)
             return {**out, "first": out["z"][:2], "const": out["const"] + y[:1]}
+
+        fun = mapped_only
 
     _check(fun, (x, y, "label"), n, in_axes=(0, 0, None), out_axes=out_axes)
 
@@ -235,7 +239,7 @@ class _Scaled(eqx.Module):
     weight: jax.Array
     bias: jax.Array
     name: str = eqx.field(static=True)
-    activation: object = jax.nn.relu
+    activation: Callable = jax.nn.relu
     power: int = 2
 
     def __call__(self, x):

@@ -121,6 +121,7 @@ def test_equinox_autoparallelism_example():
             model = eqx.apply_updates(model, updates)
             return filter_shard((model, opt_state), replicated), loss
 
+        loss = None
         for _ in range(2):
             (model, opt_state), loss = step(model, opt_state, xs, ys)
         return model, loss, xs

@@ -10,6 +10,8 @@ Where eqxshard deliberately differs, the test says so and asserts eqxshard's beh
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,7 +159,7 @@ def test_partial_manual_keeps_the_other_axes_sharded():
     """Issue 9 item 2: with `axis_names={'x'}` the 'y' split of the input is kept."""
     mesh = mesh2("explicit")
     v = laid_out(mesh, (4, 8), P("x", "y"))
-    kw = dict(mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
+    kw: dict[str, Any] = dict(mesh=mesh, in_specs=P("x"), out_specs=P("x"), axis_names={"x"})
     out = filter_shard_map(lambda x: x * x, **kw)(v)
     assert out.sharding.spec == P("x", "y")
     assert out.sharding.spec == jax.shard_map(lambda x: x * x, **kw)(v).sharding.spec
@@ -227,7 +229,7 @@ def test_unreduced_out_specs():
     """Issue 9 item 3: a matmul with its contraction split on 'y', left unreduced."""
     mesh = mesh2("explicit")
     a, b = laid_out(mesh, (4, 8), P("x", "y")), laid_out(mesh, (8, 4), P("y"))
-    out_spec = P("x", None, unreduced={"y"})
+    out_spec = P("x", None, unreduced=frozenset({"y"}))
     ours, theirs = both(
         lambda a, b: jax.lax.pcast(a @ b, "y", to="unreduced"),  # varying -> unreduced
         jax.jit,
@@ -248,7 +250,11 @@ def test_unreduced_axis_outside_axis_names_is_refused():
     refuses an unreduced axis that is not mapped first, with its own `ValueError`."""
     mesh = mesh2("explicit")
     f = filter_shard_map(
-        lambda a: a, mesh=mesh, in_specs=P("x"), out_specs=P("x", unreduced={"y"}), axis_names={"x"}
+        lambda a: a,
+        mesh=mesh,
+        in_specs=P("x"),
+        out_specs=P("x", unreduced=frozenset({"y"})),
+        axis_names={"x"},
     )
     with pytest.raises(ValueError, match=r"(?s)`out_specs` naming mesh axes outside.*\['y'\]"):
         jax.jit(f)(laid_out(mesh, (4, 8), P("x")))
@@ -295,13 +301,13 @@ def test_reduced_in_specs():
     leaves that type for JAX to check instead of re-laying the input out."""
     mesh = mesh2("explicit")
     w, x = laid_out(mesh, (8, 4), P("y")), laid_out(mesh, (4, 8), P("x"))
-    reduced = NamedSharding(mesh, P(None, None, reduced={"y"}))
+    reduced = NamedSharding(mesh, P(None, None, reduced=frozenset({"y"})))
     results = []
     for make in (filter_shard_map, jax.shard_map):
         f = make(
             lambda w, x: x @ w,
             mesh=mesh,
-            in_specs=(P(None, None, reduced={"y"}), P("x")),
+            in_specs=(P(None, None, reduced=frozenset({"y"})), P("x")),
             out_specs=P("x"),
         )
         results.append(jax.jit(lambda w, x, f=f: f(jax.sharding.reshard(w, reduced), x))(w, x))

@@ -132,6 +132,8 @@ def recorder(monkeypatch):
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     monkeypatch.setattr(jax, "process_count", lambda: record.joins)
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    # No watcher of stderr (it would take over this test process's stderr).
+    monkeypatch.setenv("EQXSHARD_WATCH", "0")
     for name in [*LAUNCHER_VARS, *CLUSTER_VARS]:
         monkeypatch.delenv(name, raising=False)
     return record

@@ -79,7 +79,7 @@ def test_target_forms(form, kind, mode):
         out = run(mode, lambda t: call(t, mesh), tree)
     assert_statics_same(out, tree)
     for (path, x), (_, ref) in zip(array_items(out), array_items(tree), strict=True):
-        assert_placed(x, NamedSharding(mesh, spec), ref), jax.tree_util.keystr(path)
+        assert_placed(x, NamedSharding(mesh, spec), ref, where=jax.tree_util.keystr(path))
 
 
 def _model_shardings(model, mesh):
@@ -259,6 +259,7 @@ def test_same_devices_other_axis_types_moves():
     y = filter_shard(x, explicit, P("data"))
     assert y is not x
     assert_placed(y, named(explicit, "data"), x)
+    assert isinstance(y.sharding, NamedSharding)
     assert tuple(y.sharding.mesh.axis_types) == tuple(explicit.axis_types)
 
 
@@ -460,7 +461,7 @@ def test_drop_in_for_eqx_filter_shard(which, mode):
     assert_statics_same(ours, tree)
     assert jax.tree.structure(ours) == jax.tree.structure(theirs)
     for (path, a), (_, b) in zip(array_items(ours), array_items(theirs), strict=True):
-        assert_placed(a, b.sharding, b, committed=b.committed), jax.tree_util.keystr(path)
+        assert_placed(a, b.sharding, b, committed=b.committed, where=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -474,7 +475,7 @@ def test_drop_in_with_a_sharding_at_every_leaf(mode):
     ours = run(mode, lambda m: filter_shard(m, shardings), model)
     assert ours.activation is model.activation
     for (path, a), (_, b) in zip(array_items(ours), array_items(theirs), strict=True):
-        assert_placed(a, b.sharding, b, committed=b.committed), jax.tree_util.keystr(path)
+        assert_placed(a, b.sharding, b, committed=b.committed, where=jax.tree_util.keystr(path))
 
 
 # ---------------------------------------------------------------------------------- HLO

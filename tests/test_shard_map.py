@@ -7,6 +7,7 @@ from functools import partial
 
 import equinox as eqx
 import jax
+import jax._src.core  # private: whether this JAX records the mesh axes `vmap` takes
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -173,6 +174,7 @@ def test_statics_in_and_out(kind, jit):
     for a, b in zip(jax.tree.leaves(out["model"]), jax.tree.leaves(model), strict=True):
         if eqx.is_array(b):
             assert_equal_value(a, b)
+    assert model.linear.bias is not None
     expected = jax.nn.relu(x @ model.linear.weight.T + model.linear.bias)
     np.testing.assert_allclose(out["y"], expected, rtol=1e-5)
 
@@ -196,7 +198,7 @@ def test_trace_once_under_filter_jit():
     for _ in range(3):
         y, act = f(x, jax.nn.relu)
         assert act is jax.nn.relu
-    np.testing.assert_array_equal(y, jax.nn.relu(x))
+        np.testing.assert_array_equal(y, jax.nn.relu(x))
     assert len(calls) == 1
 
 
@@ -401,14 +403,14 @@ def test_error_no_mesh():
 
 
 def test_error_mesh_type():
-    f = filter_shard_map(normalize, mesh=jax.devices(), in_specs=P("i"), out_specs=P("i"))
+    f = filter_shard_map(normalize, mesh=jax.devices(), in_specs=P("i"), out_specs=P("i"))  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"`filter_shard_map\(mesh=...\)` must be a .*Mesh"):
         f(jnp.arange(8.0))
 
 
 def test_error_fun_and_kwargs():
     with pytest.raises(TypeError, match="needs a callable `fun`"):
-        filter_shard_map(3, mesh=mesh1(), in_specs=P(), out_specs=P())
+        filter_shard_map(3, mesh=mesh1(), in_specs=P(), out_specs=P())  # pyright: ignore[reportArgumentType]
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=P(), out_specs=P())
     with pytest.raises(TypeError, match=r"positional arguments only.*\['x'\]"):
         f(x=jnp.ones(8))

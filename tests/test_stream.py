@@ -1,6 +1,8 @@
 import functools as ft
 import io
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -119,12 +121,13 @@ def test_progress_bar_label(monkeypatch):
     def square(x):
         return x**2
 
-    for fun, desc, label in [
+    cases: list[tuple[Callable[..., Any], str | None, str]] = [
         (square, None, "square"),
         (lambda x: x + 1, None, "filter_stream"),
         (ft.partial(jnp.add, 1), None, "filter_stream"),
         (lambda x: x + 1, "scoring", "scoring"),
-    ]:
+    ]
+    for fun, desc, label in cases:
         terminal = _Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
         filter_stream(fun, batch_size=4, desc=desc)(np.zeros(10))
@@ -220,7 +223,7 @@ def test_keyword_arguments_and_fun_type():
 
 _COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, duration, **kwargs: (
+    lambda event, duration_secs, **kwargs: (
         _COMPILES.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
     )
 )
@@ -251,7 +254,7 @@ def test_second_call_compiles_nothing(mesh_name):
         out, label = stream(model, data, "a")
         assert _COMPILES == [] and len(traces) == 1
         assert label == "a"
-        np.testing.assert_allclose(out, jax.vmap(model)(data), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out, jax.vmap(model)(jnp.asarray(data)), rtol=1e-5, atol=1e-6)
     # A different static leaf, a different model (same shapes) and a different row count.
     stream(model, first, "b")
     assert len(traces) == 2
@@ -259,7 +262,7 @@ def test_second_call_compiles_nothing(mesh_name):
     del _COMPILES[:]
     out, _ = stream(other, first, "a")
     assert _COMPILES == [] and len(traces) == 2
-    np.testing.assert_allclose(out, jax.vmap(other)(first), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, jax.vmap(other)(jnp.asarray(first)), rtol=1e-5, atol=1e-6)
     stream(model, first[:5], "a")  # padded to one chunk of 8 either way: no new trace
     assert len(traces) == 2
     stream(model, first.astype(np.float16), "a")  # another dtype: a new trace
@@ -268,7 +271,8 @@ def test_second_call_compiles_nothing(mesh_name):
 
 def test_unhashable_static_still_works():
     class Unhashable:
-        __hash__ = None
+        # Unhashable on purpose (the way Python documents; typeshed types `__hash__` a method).
+        __hash__ = None  # pyright: ignore[reportAssignmentType]
 
         def __init__(self, k):
             self.k = k

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,6 +52,8 @@ class AsyncSave:
         finally:
             if _PENDING.get(self.directory) is self:
                 del _PENDING[self.directory]
+        for hook in ON_COMPLETE:
+            hook(self.directory, self.step)
 
     def done(self) -> bool:
         """Whether the write has finished (without waiting, and without committing)."""
@@ -62,6 +65,9 @@ class AsyncSave:
         return f"AsyncSave(directory={self.directory!r}, step={self.step}, {state})"
 
 
+# Called with (directory, step) once a save is on disk: how a run of several processes
+# knows its newest complete checkpoint when it loses a peer (`_processes/joining.py`).
+ON_COMPLETE: list[Callable[[str, int], None]] = []
 # directory -> its save still being written; a new save to a directory waits for it.
 _PENDING: dict[str, AsyncSave] = {}
 _AT_EXIT: list[bool] = []

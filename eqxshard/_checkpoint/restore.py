@@ -10,10 +10,12 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 
 from .. import _compat
-from .._placement import staging
+from .._placement import place, staging
 from .._plans.plan import plan_shardings
-from .._tree import Flat, T, is_array_like, leaf_error, pathstr, shape_str
+from .._tree import Flat, T, is_array_like, leaf_error, pathstr
+from . import restore_match
 from .save import _all_steps, _directory, _manager, _names, _orbax, _step, _steps, damage
+from .store import read_part
 
 
 def _own_sharding(leaf: Any) -> Sharding | None:
@@ -37,17 +39,6 @@ def _key_impl(leaf: Any) -> Any:
     return found[0]
 
 
-def _stored(leaf: Any) -> jax.ShapeDtypeStruct:
-    """Shape and dtype of what `filter_save` writes for a leaf (key data for PRNG keys)."""
-    if _compat.is_prng_key(leaf):
-        return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-
-
-def _describe_stored(shape: Any, dtype: Any) -> str:
-    return f"{shape_str(tuple(shape))} {np.dtype(dtype).name}"
-
-
 def filter_restore(
     directory: str | os.PathLike,
     like: T,
@@ -55,6 +46,8 @@ def filter_restore(
     spec: Any = None,
     *,
     step: int | None = None,
+    strict: bool = True,
+    cast: bool = False,
 ) -> T:
     """Reads a checkpoint written by `filter_save` into the layout `target`/`spec` describe.
 
@@ -64,7 +57,9 @@ def filter_restore(
     every process reads only its own devices' shards, on any mesh, also one of another
     shape or another number of processes than at save time. Everything is checked
     before anything is read: a leaf of `like` missing from the checkpoint, one the
-    checkpoint has and `like` lacks, or a shape or dtype that differs is an error.
+    checkpoint has and `like` lacks, or a shape or dtype that differs is one error that
+    lists every such leaf with its saved and asked shape and dtype (unless `strict` or
+    `cast` say otherwise).
 
     With several processes, call it on every process with the same arguments.
 
@@ -79,6 +74,18 @@ def filter_restore(
         `ShapeDtypeStruct(..., sharding=...)`'s). A leaf that `target` leaves alone
         (`None`) also keeps its own sharding.
     - `step`: the step to read; `None` reads the newest.
+    - `strict`: `True` (default): `like` and the checkpoint must hold the same leaves,
+        of the same shapes. `False`: restore what matches and keep the rest:
+        - leaves the checkpoint has and `like` lacks are not read: a part of a saved
+            tree, e.g. the parameters of a `(params, opt_state)` checkpoint with
+            `like=(params, None)` (the saved tree's structure, `None` for what to skip);
+        - leaves of `like` that the checkpoint lacks or holds in another shape (a model
+            changed since the save: a leaf added, or resized) keep `like`'s own value,
+            laid out as asked, with a warning listing them. `like` must then hold
+            arrays there (e.g. a newly initialised model), not `ShapeDtypeStruct`s.
+    - `cast`: `False` (default): a leaf saved in another dtype than `like`'s is an
+        error. `True`: it is read and cast to `like`'s dtype (e.g. float32 weights into
+        a bfloat16 model), by orbax as it reads, shard by shard.
 
     **Returns:**
 
@@ -94,8 +101,11 @@ def filter_restore(
         naming what is and the newest good step before it. With `step=None` damaged steps
         are skipped (with a warning), as by `latest_step`.
     - `ValueError`: if the checkpoint and `like` differ in leaves, shapes or dtypes (every
-        such leaf listed), if a leaf has no sharding to read into, and the `ValueError`s
-        and `TypeError`s of `filter_shard` about `target` and `spec`.
+        such leaf listed, with its saved and asked shape and dtype) where `strict` and
+        `cast` do not allow it; with `strict=False`, for leaves to keep from `like` that
+        are abstract; if a leaf has no sharding to read into, and the `ValueError`s and
+        `TypeError`s of `filter_shard` about `target` and `spec`.
+    - `TypeError`: if `strict` or `cast` is not a bool.
 
     !!! Example
 
@@ -113,6 +123,12 @@ def filter_restore(
         ```
     """
     verb = "filter_restore"
+    for name, flag in (("strict", strict), ("cast", cast)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(
+                f"`filter_restore` takes `{name}` as a bool, but got {flag!r} of type "
+                f"{type(flag).__name__}."
+            )
     ocp = _orbax(verb)
     directory = _directory(directory, verb)
     all_steps = _all_steps(ocp, directory)
@@ -178,20 +194,24 @@ def filter_restore(
             raise _damaged(
                 directory, step, f"its metadata is unreadable ({_short(e)})", steps
             ) from e
-        _check_matches(directory, step, flat, names, saved)
+        where = f"step {step} in {directory}"
+        read, kept = restore_match.match(where, flat, names, saved, strict=strict, cast=cast)
         abstract: dict[str, Any] = {}
         via_host = []  # read to host NumPy, then staged onto accelerators (`staging`)
-        for name, i in names.items():
-            stored = _stored(flat.leaves[i])
+        for name, i in read.items():
+            want = restore_match.stored(flat.leaves[i])
             if not _compat.is_prng_key(flat.leaves[i]) and staging.through_host(
-                stored.shape, stored.dtype, shardings[i]
+                want.shape, want.dtype, shardings[i]
             ):
-                abstract[name] = staging.host_placeholder(stored.shape, stored.dtype)
+                abstract[name] = staging.host_placeholder(want.shape, want.dtype)
                 via_host.append(name)
                 continue
-            abstract[name] = jax.ShapeDtypeStruct(stored.shape, stored.dtype, sharding=shardings[i])
+            abstract[name] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=shardings[i])
         try:
-            restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            if len(read) == len(saved):
+                restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+            else:  # a part of the saved tree: only its leaves are read
+                restored = read_part(ocp, directory, step, abstract)
         except Exception as e:
             raise _damaged(
                 directory, step, f"its array data is unreadable ({_short(e)})", steps
@@ -199,11 +219,12 @@ def filter_restore(
     finally:
         manager.close()
     if via_host:
-        targets = [shardings[names[name]] for name in via_host]
+        targets = [shardings[read[name]] for name in via_host]
         placed = staging.device_put([restored[name] for name in via_host], targets)
-        restored.update(zip(via_host, placed, strict=True))
-    out = {}
-    for name, i in names.items():
+        restored = {**restored, **dict(zip(via_host, placed, strict=True))}
+    # Leaves kept from `like` (`strict=False`), laid out as asked: the path of `filter_shard`.
+    out = place.place(verb, flat, {i: shardings[i] for i in kept}) if kept else {}
+    for name, i in read.items():
         leaf = flat.leaves[i]
         value = restored[name]
         if _compat.is_prng_key(leaf):
@@ -229,32 +250,3 @@ def _damaged(directory: str, step: int, problem: str, steps: list[int]) -> Value
     else:
         hint = "There is no good step before it: start from scratch or restore another copy."
     return ValueError(f"`filter_restore` cannot read step {step} in {directory}: {problem}. {hint}")
-
-
-def _check_matches(
-    directory: str, step: int, flat: Flat, names: dict[str, int], saved: Any
-) -> None:
-    rows = []
-    for name, i in names.items():
-        stored = _stored(flat.leaves[i])
-        want = _describe_stored(stored.shape, stored.dtype)
-        if name not in saved:
-            rows.append((name, f"in `like` as {want}", "not in the checkpoint"))
-            continue
-        have = _describe_stored(saved[name].shape, saved[name].dtype)
-        if have != want:
-            rows.append((name, f"in `like` as {want}", f"in the checkpoint as {have}"))
-    for name in saved:
-        if name not in names:
-            have = _describe_stored(saved[name].shape, saved[name].dtype)
-            rows.append((name, "not in `like`", f"in the checkpoint as {have}"))
-    if rows:
-        raise ValueError(
-            leaf_error(
-                f"`filter_restore`: step {step} in {directory} does not match `like` (leaves "
-                "by dotted path; PRNG keys as their key data):",
-                rows,
-                "Build `like` as the saved tree was built (the same model class and "
-                "configuration), or restore with the old definition and convert.",
-            )
-        )

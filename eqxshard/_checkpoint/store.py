@@ -164,3 +164,21 @@ def _names(verb: str, flat: Flat) -> dict[str, int]:
             )
         )
     return {name: indices[0] for name, indices in names.items()}
+
+
+def read_part(ocp: Any, directory: str, step: int, abstract: dict[str, Any]) -> dict[str, Any]:
+    """Reads only the leaves of `abstract` (a part of the saved tree), each straight into
+    its sharding and dtype.
+
+    `StandardRestore` wants the whole saved tree, so this reads the step's one item
+    (`default`, where `_manager`'s single handler writes it) with orbax's PyTree handler
+    and `partial_restore=True`: the leaves left out are never read.
+    """
+    path = f"{directory.rstrip('/')}/{step}/default"
+    checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+        args = ocp.args.PyTreeRestore(abstract, restore_args=restore_args, partial_restore=True)
+        return checkpointer.restore(path, args=args)
+    finally:
+        checkpointer.close()

@@ -4,10 +4,12 @@ Everything here is small on purpose: when JAX moves an API, this folder is what 
 Supported: jax 0.7.2 (the lowest, tested in CI) to the newest release. The rest of
 eqxshard reads these names as `_compat.name`; each submodule holds one family:
 `arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers),
-`meshes` (ambient and abstract meshes, axis types, specs) and `processes` (host gathers,
-global shapes, the detected cluster, the coordination-service client).
+`meshes` (ambient and abstract meshes, axis types, specs), `processes` (host gathers,
+global shapes, the detected cluster, the coordination-service client) and
+`equinox_errors` (Equinox's private state for `eqx.error_if` messages, which
+`filter_jit` reports as `eqx.filter_jit` does).
 
-Imports: JAX only (nothing else of eqxshard).
+Imports: JAX (and Equinox, in `equinox_errors`) only; nothing else of eqxshard.
 """
 
 from .arrays import (
@@ -27,6 +29,7 @@ from .arrays import (
     traced_sharding as traced_sharding,
     tracing as tracing,
 )
+from .equinox_errors import equinox_runtime_error as equinox_runtime_error
 from .meshes import (
     abstract_mesh as abstract_mesh,
     abstract_mesh_of as abstract_mesh_of,
@@ -44,4 +47,5 @@ from .processes import (
     detected_cluster as detected_cluster,
     global_shape as global_shape,
     process_allgather as process_allgather,
+    use_gloo_address as use_gloo_address,
 )

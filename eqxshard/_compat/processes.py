@@ -66,3 +66,33 @@ def coordination_client() -> Any:
         return None
     client = getattr(distributed.global_state, "client", None)
     return client if all(hasattr(client, m) for m in _CLIENT_METHODS) else None
+
+
+def use_gloo_address(address: str) -> bool:
+    """Makes the gloo CPU collectives JAX creates for this process listen on, and tell the
+    other processes, `address` (instead of what this host's name resolves to). Returns
+    whether it could (`False` on a JAX that creates them elsewhere).
+
+    JAX creates them when its CPU backend starts, with no host name: gloo then resolves
+    this host's name. Call before the backend starts (JAX has no public setting).
+    """
+    from jax._src import xla_bridge
+
+    owner: Any = getattr(xla_bridge, "_jax", None)
+    if not hasattr(owner, "make_gloo_tcp_collectives"):  # older JAX: through xla_client
+        owner = getattr(getattr(xla_bridge, "xla_client", None), "_xla", None)
+    make = getattr(owner, "make_gloo_tcp_collectives", None)
+    if make is None:
+        return False
+    make = getattr(make, "__wrapped__", make)
+
+    def make_gloo_tcp_collectives(
+        distributed_client: Any, hostname: str | None = None, interface: str | None = None
+    ) -> Any:
+        if hostname is None and interface is None:
+            hostname = address
+        return make(distributed_client=distributed_client, hostname=hostname, interface=interface)
+
+    make_gloo_tcp_collectives.__wrapped__ = make  # pyright: ignore[reportFunctionMemberAccess]
+    owner.make_gloo_tcp_collectives = make_gloo_tcp_collectives
+    return True

@@ -83,7 +83,12 @@ def _run(
 
     def put(j: int) -> list[Any]:
         start, stop = j * batch_size, min(n, (j + 1) * batch_size)
-        return jax.device_put([host_chunk(x, start, stop, batch_size) for x in streamed], rows)
+        chunks = [host_chunk(x, start, stop, batch_size) for x in streamed]
+        if rows is not None and not rows.is_fully_addressable:
+            # A mesh over several processes: each fills its own devices from its own copy
+            # of the chunk (`device_put` would compare the whole chunk across processes).
+            return [_from_host(c, rows) for c in chunks]
+        return jax.device_put(chunks, rows)
 
     def compiled(chunk: list[Any]) -> Step:
         return compiled_step(cache, fun, args_def, static, idx, const_idx, out_axes, chunk, consts)
@@ -193,6 +198,10 @@ def filter_stream(
     It runs outside `jax.jit`. Results equal `eqx.filter_vmap(fun, in_axes=in_axes,
     out_axes=out_axes)(*args)`, copied to the host.
 
+    With a `mesh` over several processes, call it on every process with the same data:
+    each process fills only its own devices from its copy of each chunk (no chunk is
+    compared or gathered across hosts), and every process gets all the results.
+
     **Arguments:**
 
     - `fun`: the function to map, called as `fun(*args)`. Leave it out to use
@@ -294,3 +303,8 @@ def _auto_tqdm() -> type[tqdm.tqdm]:
     from tqdm.auto import tqdm as auto_tqdm
 
     return auto_tqdm
+
+
+def _from_host(chunk: Any, sharding: Any) -> jax.Array:
+    data = np.asarray(chunk)
+    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
+
 NAME = "filter_stream"
 
 
@@ -28,4 +30,6 @@ def output_to_host(x: jax.Array) -> Any:
     `jax.device_get`)."""
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.device_get(x)
+    if not x.is_fully_addressable:  # a mesh over several processes: every one gets it all
+        return np.asarray(_compat.process_allgather(x, tiled=True))
     return np.asarray(x)

@@ -82,7 +82,9 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     One row per array leaf: its dotted path (the form `path_rules` match), shape, dtype,
     spec, the bytes of it on one device, and its total bytes. Below: the bytes on each
-    device, and the largest leaves left whole on every device.
+    device, and the largest leaves left whole on every device. For a tree of several
+    parts (`describe({"params": params, "opt_state": opt_state})`), also each part's
+    bytes on the fullest device: the optimiser state's next to the parameters'.
 
     **Arguments:**
 
@@ -120,12 +122,15 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         shardings = {i: planned.get(i) for i in flat.array_indices}
     rows: list[LeafRow] = []
     per_device: dict[Any, int] = {}
+    by_part: dict[str, dict[Any, int]] = {}
     for i, sharding in shardings.items():
         x = flat.leaves[i]
         shape, itemsize = tuple(x.shape), x.dtype.itemsize
         held = {} if sharding is None else _per_device(sharding, shape, itemsize)
+        part = by_part.setdefault(dotted_path(flat.paths[i][:1]), {})
         for device, n in held.items():
             per_device[device] = per_device.get(device, 0) + n
+            part[device] = part.get(device, 0) + n
         replicated = sharding is not None and sharding.is_fully_replicated
         rows.append(
             LeafRow(
@@ -149,6 +154,9 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         bytes_per_device=ordered,
         total_bytes=sum(r.bytes for r in rows),
         unsharded=unsharded,
+        parts={k: max(v.values(), default=0) for k, v in by_part.items()}
+        if len(by_part) > 1
+        else {},
     )
 
 

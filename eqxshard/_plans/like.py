@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
-from .._tree import Path, is_array_like, leaf_error, pathstr
-from .rules import Rule
+from .._placement.targets import RuleError
+from .._tree import Path, is_array_like, leaf_error, pathstr, shape_str
+from .rules import Rule, dotted_path
 
 
 def _read_spec(x: Any) -> PartitionSpec | None:
@@ -34,7 +37,8 @@ def _read_spec(x: Any) -> PartitionSpec | None:
 class Like(Rule):
     """Leaves laid out like the parameter they mirror; see `like`."""
 
-    def __init__(self, params: Any, plan: Any):
+    def __init__(self, params: Any, plan: Any, min_size: int = 2**14):
+        self.min_size = min_size
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
         given: dict[Path, Any] = {}
         if plan is not None:
@@ -69,15 +73,82 @@ class Like(Rule):
             )
 
     def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
-        shape = tuple(leaf.shape)
-        for k in range(len(path) + 1):  # the longest suffix first
-            found = self.params.get(tuple(path[k:]))
-            if found is not None and found[0] == shape:
-                return found[1]
-        return PartitionSpec()
+        shape, path = tuple(leaf.shape), tuple(path)
+        mirrored = None
+        for k in range(len(path) + 1):  # the parameter with the longest path ending `path`
+            mirrored = self.params.get(path[k:])
+            if mirrored is not None:
+                break
+        if mirrored is not None:
+            param_shape, spec = mirrored
+            if param_shape == shape:
+                return spec
+            reduced = _reduced(path, shape, param_shape, spec)
+            if reduced is not None:
+                return reduced
+        else:  # e.g. `lookahead`: state of `params.fast` at `.fast_state[0].mu.<path>`
+            spec = self._closest(path, shape)
+            if spec is not None:
+                return spec
+        if math.prod(shape) < self.min_size:
+            return PartitionSpec()
+        detail = (
+            f"mirrors a parameter of shape {shape_str(mirrored[0])}"
+            if mirrored is not None
+            else "mirrors no parameter of its shape"
+        )
+        raise RuleError(
+            f"cannot lay out these leaves like a parameter (and they have {self.min_size} "
+            "elements or more, too many to replicate silently):",
+            (repr(dotted_path(path)), f"shape {shape_str(shape)}", detail),
+            "Give them a spec with a rule before `like` (`path_rules([...]) | like(params)`), "
+            "or raise `min_size` above their size to replicate them.",
+        )
+
+    def _closest(self, path: Path, shape: tuple[int, ...]) -> PartitionSpec | None:
+        """The spec of the parameter of this shape whose path shares the longest ending
+        with `path` (at least its last key), if any."""
+        best, best_spec = 0, None
+        for param_path, (param_shape, spec) in self.params.items():
+            if param_shape != shape:
+                continue
+            n = 0
+            while n < min(len(path), len(param_path)) and path[-1 - n] == param_path[-1 - n]:
+                n += 1
+            if n > best:
+                best, best_spec = n, spec
+        return best_spec
 
     def __repr__(self) -> str:
         return f"like(<{len(self.params)} parameters>)"
+
+
+def _reduced(
+    path: Path, shape: tuple[int, ...], param_shape: tuple[int, ...], spec: PartitionSpec
+) -> PartitionSpec | None:
+    """The spec of a state leaf that is its parameter with one dim reduced away (the
+    factored moments of `adafactor`): the parameter's spec without that dim's entry.
+
+    Where several dims could be the one reduced (a square parameter), `v_row` is the
+    parameter without its largest dim and `v_col` without its second largest, as optax's
+    `adafactor` makes them (the last largest on a tie, by `np.argsort`).
+    """
+    if len(shape) != len(param_shape) - 1:
+        return None
+    dims = [k for k in range(len(param_shape)) if param_shape[:k] + param_shape[k + 1 :] == shape]
+    if not dims:
+        return None
+    if len(dims) > 1:
+        order = [int(k) for k in np.argsort(param_shape)]
+        names = {getattr(key, "name", None) for key in path}
+        dropped = order[-2] if "v_col" in names else order[-1]
+        dims = [dropped] if dropped in dims else dims[:1]
+    entries = list(_compat.spec_entries(spec))
+    entries += [None] * (len(param_shape) - len(entries))
+    del entries[dims[0]]
+    while entries and entries[-1] is None:  # `P()`, not `P(None)`, for an unsplit leaf
+        entries.pop()
+    return PartitionSpec(*entries)
 
 
 def _why(x: Any, plan: Any) -> str:
@@ -90,19 +161,33 @@ def _why(x: Any, plan: Any) -> str:
     return f"is a {type(x).__name__} that is not placed on a mesh"
 
 
-def like(params: Any, plan: Any = None) -> Like:
-    """A rule that lays out every leaf like the parameter it mirrors; the rest replicated.
+def like(params: Any, plan: Any = None, *, min_size: int = 2**14) -> Like:
+    """A rule that lays out every leaf like the parameter it mirrors: optimiser state.
 
-    For optimiser state: `optax` state holds, for each parameter, moments of the same
-    shape at a path ending with the parameter's own path (`[0].mu.layers.0.weight`
-    mirrors `layers.0.weight`). Each leaf whose path ends with a parameter's path (the
-    longest such) and whose shape equals that parameter's gets that parameter's spec;
-    every other array leaf (step counters, factored moments of other shapes) is
-    replicated.
+    `optax` state holds, for each parameter, moments at a path ending with the
+    parameter's own path (`[0].mu.layers.0.weight` mirrors `layers.0.weight`), also
+    inside `chain`, `masked`, `multi_transform`, `MultiSteps` and `inject_hyperparams`.
+    Each array leaf gets, in this order:
+
+    - the spec of the parameter whose path ends its path (the longest such), where the
+        shapes are equal (`adam`'s `mu` and `nu`, `lion`'s `mu`, `MultiSteps`'s
+        `acc_grads`, ...);
+    - where it is that parameter with one dim reduced away (`adafactor`'s factored
+        moments `v_row` and `v_col`): the parameter's spec without that dim's entry, so a
+        row factor is split like the parameter's rows and a column factor like its
+        columns (on a square parameter, `v_row` lacks the largest dim and `v_col` the
+        second largest, as optax makes them);
+    - where its path ends with no parameter's path (`lookahead`'s `fast_state` mirrors
+        `LookaheadParams.fast`): the spec of the parameter of its shape whose path shares
+        the longest ending with it;
+    - otherwise, if it has fewer than `min_size` elements (step counters, schedules'
+        counters, hyperparameters, `adafactor`'s `(1,)` placeholders): replicated;
+    - otherwise an error naming it: a big leaf is never replicated silently.
 
     Use it anywhere a `spec` is, e.g. to create the state directly in its layout:
-    `filter_init(optimiser.init, mesh, like(params))(params)`; or to lay out an existing
-    state: `filter_shard(opt_state, mesh, like(params))` (inside `jit` too).
+    `filter_init(optimiser.init, mesh, like(params))(params)`; to lay out an existing
+    state: `filter_shard(opt_state, mesh, like(params))` (inside `jit` too); or as the
+    `out_shardings` of the state in `filter_jit`.
 
     **Arguments:**
 
@@ -112,6 +197,8 @@ def like(params: Any, plan: Any = None) -> Like:
     - `plan`: the parameters' shardings, as from `filter_plan(params, mesh, spec)`; use it
         where `params` do not carry their layout (abstract trees; inside `jit` on Auto mesh
         axes). `None` (default) reads each parameter's own sharding.
+    - `min_size`: leaves that mirror no parameter are replicated below this many
+        elements and an error from it up (default `2**14`, as `fsdp`'s).
 
     **Returns:**
 
@@ -120,7 +207,10 @@ def like(params: Any, plan: Any = None) -> Like:
     **Raises:**
 
     - `ValueError`: naming every parameter whose layout cannot be read (not placed on a
-        mesh, traced on Auto axes, abstract without a sharding, or missing from `plan`).
+        mesh, traced on Auto axes, abstract without a sharding, or missing from `plan`);
+        when resolved (e.g. by `filter_shard`), naming every leaf of `min_size` elements
+        or more that mirrors no parameter.
+    - `TypeError`: if `min_size` is not an int >= 0.
 
     !!! Example
 
@@ -135,4 +225,9 @@ def like(params: Any, plan: Any = None) -> Like:
         opt_state = eqxshard.filter_init(optimiser.init, mesh, eqxshard.like(params))(params)
         ```
     """
-    return Like(params, plan)
+    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 0:
+        raise TypeError(
+            f"`like` takes `min_size` as an int >= 0, but got {min_size!r}. Pass e.g. "
+            "`min_size=2**14`."
+        )
+    return Like(params, plan, int(min_size))

@@ -207,7 +207,8 @@ class PathRules(Rule):
 
 def path_rules(
     rules: Sequence[tuple[str | re.Pattern, PartitionSpec | None]]
-    | Mapping[str, PartitionSpec | None],
+    | Mapping[str, PartitionSpec | None]
+    | Mapping[str | re.Pattern, PartitionSpec | None],
 ) -> PathRules:
     """A rule that gives each leaf the spec of the first pattern its path matches.
 

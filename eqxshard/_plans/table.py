@@ -48,12 +48,17 @@ class ShardingTable:
     - `total_bytes`: the bytes of all array leaves, each counted once.
     - `unsharded`: the largest leaves that are whole on every device of a mesh of more
         than one device (at most 5, largest first): where sharding would save most.
+    - `parts`: for a tree of several parts at its top (a dict, tuple or module, e.g.
+        `{"params": params, "opt_state": opt_state}`), each part's dotted name and the
+        bytes of it on its fullest device: the optimiser state's next to the
+        parameters'. Empty for a tree of one part.
     """
 
     rows: list[LeafRow]
     bytes_per_device: dict[Any, int]
     total_bytes: int
     unsharded: list[LeafRow]
+    parts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def max_bytes_per_device(self) -> int:
@@ -90,6 +95,9 @@ class ShardingTable:
                     f"{device_name(d)}: {format_bytes(b)}" for d, b in per_device.items()
                 )
                 lines.append(f"Bytes per device: {held}.")
+        if self.parts:
+            held = ", ".join(f"{name}: {format_bytes(b)}" for name, b in self.parts.items())
+            lines.append(f"On the fullest device, by part: {held}.")
         if self.unsharded:
             leaves = ", ".join(
                 f"{r.path or '<root>'} ({format_bytes(r.bytes)})" for r in self.unsharded

@@ -40,6 +40,14 @@ NUM_PROCESSES_VAR = "EQXSHARD_NUM_PROCESSES"
 COORDINATOR_VAR = "JAX_COORDINATOR_ADDRESS"
 PORT_VAR = "JAX_COORDINATOR_PORT"
 LOCAL_DEVICE_IDS_VAR = "JAX_LOCAL_DEVICE_IDS"
+# Also set by the launcher: the bounds `initialize` uses where its arguments are `None`,
+# the run's hosts and processes per host (for the lines naming a lost peer), and how
+# many times the run was restarted before this attempt.
+HEARTBEAT_TIMEOUT_VAR = "EQXSHARD_HEARTBEAT_TIMEOUT"
+INITIALIZATION_TIMEOUT_VAR = "EQXSHARD_INITIALIZATION_TIMEOUT"
+HOSTS_VAR = "EQXSHARD_HOSTS"
+PROCESSES_PER_HOST_VAR = "EQXSHARD_PROCESSES_PER_HOST"
+RESTART_VAR = "EQXSHARD_RESTART_COUNT"
 
 # Open MPI (4 and 5) sets these for each process `mpirun` starts; 4 also sets ORTE_URI.
 OMPI_SIZE, OMPI_RANK = "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"

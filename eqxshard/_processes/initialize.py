@@ -8,20 +8,17 @@ run ends up with is checked against the one the launcher said.
 
 from __future__ import annotations
 
-import os
-import sys
-import threading
-import traceback
 from typing import Any
 
 import jax
 
-from . import clusters
+from . import clusters, joining
 from .clusters import (
     COORDINATOR_VAR as COORDINATOR_VAR,
     NUM_PROCESSES_VAR as NUM_PROCESSES_VAR,
     PROCESS_ID_VAR as PROCESS_ID_VAR,
 )
+from .exits import _end_promptly_on_errors
 
 
 def _check_count(join: clusters.Join) -> None:
@@ -38,147 +35,17 @@ def _check_count(join: clusters.Join) -> None:
     )
 
 
-def _end_now(code: int, why: str) -> None:
-    """Ends this process at once with `code`, skipping JAX's shutdown barrier (which would
-    wait for processes that themselves wait for this one in a collective)."""
-    try:
-        from .._checkpoint.async_save import unfinished_saves
-
-        for save in unfinished_saves():
-            print(
-                f"eqxshard: the background save of step {save.step} to {save.directory} is "
-                "NOT finished (the process ends at once on an error).",
-                file=sys.stderr,
-            )
-        print(
-            f"eqxshard: process {jax.process_index()} ended by {why} (exit code {code}), "
-            "without waiting for the other processes.",
-            file=sys.stderr,
-        )
-        sys.stderr.flush()
-        sys.stdout.flush()
-    finally:
-        os._exit(code)
-
-
-def _exit_on_uncaught(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    """`sys.excepthook` of a multi-process run: the traceback, then an immediate exit."""
-    try:
-        traceback.print_exception(kind, value, tb)
-    finally:
-        _end_now(1, f"an uncaught {kind.__name__}")
-
-
-def _status_code(status: Any) -> int:
-    """The exit code Python gives `sys.exit(status)` (a message is printed, code 1)."""
-    if status is None:
-        return 0
-    if isinstance(status, int):
-        return status & 0xFF
-    return 1
-
-
-class _Exit(SystemExit):
-    """What `sys.exit` raises in a multi-process run: a `SystemExit` like any other
-    (catchable, same `code`), except when it reaches the top of the program with a
-    non-zero code: Python reads `code` then, with no Python frame left on the stack, and
-    the process ends at once instead of waiting in JAX's shutdown barrier."""
-
-    @property
-    def code(self) -> Any:  # pyright: ignore[reportIncompatibleVariableOverride]
-        status = self.__dict__.get("_code", self.args[0] if len(self.args) == 1 else None)
-        if len(self.args) > 1 and "_code" not in self.__dict__:
-            status = self.args
-        frame = sys._getframe()
-        if frame.f_back is None and _status_code(status) != 0:
-            if not isinstance(status, int):
-                print(status, file=sys.stderr)
-            _end_now(_status_code(status), f"SystemExit({status!r})")
-        return status
-
-    @code.setter
-    def code(self, value: Any) -> None:  # pyright: ignore[reportIncompatibleVariableOverride]
-        self.__dict__["_code"] = value
-
-
-def _exit(status: Any = None) -> None:
-    raise _Exit(status)
-
-
-_exit.__doc__ = sys.exit.__doc__
-
-
-def _watch_system_exit() -> bool:
-    """On Python 3.12+, ends this process at once when a `SystemExit` with a non-zero code
-    leaves the outermost Python frame of the main thread (nothing can catch it there):
-    `sys.exit(n)` and `raise SystemExit(n)` alike, with `sys.exit` left as it is.
-
-    Uses `sys.monitoring`'s `PY_UNWIND` event (a global event: the callback returns at
-    once for every frame but the outermost). Returns whether it is installed: not on
-    Python 3.11, off the main thread, or when every free tool id is taken.
-    """
-    monitoring = getattr(sys, "monitoring", None)
-    if monitoring is None or threading.current_thread() is not threading.main_thread():
-        return False
-    frame = sys._getframe()
-    while frame.f_back is not None:
-        frame = frame.f_back
-    outermost = frame.f_code
-    for tool in (4, 3):  # the ids `sys.monitoring` leaves to tools other than its named ones
-        if monitoring.get_tool(tool) is None:
-            break
-    else:
-        return False
-    events = monitoring.events
-
-    def unwind(code: Any, offset: int, exception: BaseException) -> Any:
-        if code is not outermost or not isinstance(exception, SystemExit):
-            return None
-        end_on_system_exit(exception.code)
-
-    monitoring.use_tool_id(tool, "eqxshard")
-    monitoring.register_callback(tool, events.PY_UNWIND, unwind)
-    monitoring.set_events(tool, monitoring.get_events(tool) | events.PY_UNWIND)
-    return True
-
-
-def end_on_system_exit(status: Any) -> None:
-    """Ends this process at once for a `SystemExit(status)` that left the program, unless
-    its code is 0 (then Python exits as usual, waiting for the others)."""
-    if _status_code(status) == 0:
-        return
-    if not isinstance(status, int):
-        print(status, file=sys.stderr)
-    _end_now(_status_code(status), f"SystemExit({status!r})")
-
-
-_PROMPT = False  # whether `_end_promptly_on_errors` ran in this process
-
-
-def ends_promptly() -> bool:
-    """Whether an uncaught error ends this process at once (`initialize` joined a run of
-    several processes with `exit_on_error=True`): read by `run_main.py`."""
-    return _PROMPT
-
-
-def _end_promptly_on_errors() -> None:
-    """Makes an uncaught exception and an uncaught `SystemExit` with a non-zero code end
-    this process at once. On Python 3.11, `sys.exit(n)` only (see `_Exit`), and
-    `raise SystemExit(n)` too where the launcher started the process (`run_main.py`)."""
-    global _PROMPT
-    _PROMPT = True
-    sys.excepthook = _exit_on_uncaught
-    if not _watch_system_exit():
-        sys.exit = _exit
-
-
 def _check_arguments(
-    initialization_timeout: Any, heartbeat_timeout_seconds: Any, exit_on_error: Any
+    initialization_timeout: Any,
+    heartbeat_timeout_seconds: Any,
+    shutdown_timeout_seconds: Any,
+    exit_on_error: Any,
 ) -> None:
     """The checks of `initialize`'s own arguments, before anything is joined."""
     for name, value in (
         ("initialization_timeout", initialization_timeout),
         ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+        ("shutdown_timeout_seconds", shutdown_timeout_seconds),
     ):
         if value is None:
             continue
@@ -202,6 +69,7 @@ def initialize(
     *,
     initialization_timeout: int | None = None,
     heartbeat_timeout_seconds: int | None = None,
+    shutdown_timeout_seconds: int | None = None,
     exit_on_error: bool = True,
 ) -> str:
     """Joins this process to a multi-process run, wherever it was started.
@@ -232,6 +100,17 @@ def initialize(
 
     A run that is already initialised is left as it is.
 
+    In a run of several processes, when the run loses a process (its node cut off,
+    killed, stopped for longer than the heartbeat timeout, or never started), JAX ends
+    every other process with a native abort and its own text. `initialize` routes
+    stderr through a small watcher process that passes everything on unchanged and,
+    after such text, adds one line: `eqxshard: process 0 on node1 lost process 1 (host
+    node2, address 10.0.0.2): it stopped sending heartbeats for 10 s ... The newest
+    complete checkpoint is step 40 in /ckpt. ...` (`EQXSHARD_WATCH=0` turns it off).
+    Where this host's name resolves to a loopback address (Debian and Ubuntu's
+    `/etc/hosts`) on a run across hosts, gloo's CPU collectives are given the address of
+    the interface that reaches the other hosts instead (a line on stderr says so).
+
     In a run of several processes, with `exit_on_error=True`, a process that fails ends
     at once: an uncaught exception with exit code 1 (after printing the traceback), and
     `sys.exit(n)` or `raise SystemExit(n)` with n != 0 with code n (after printing a
@@ -249,12 +128,17 @@ def initialize(
 
     **Arguments:**
 
-    - `initialization_timeout`: seconds to wait for every process to join. `None` keeps
-      JAX's default (300).
+    - `initialization_timeout`: seconds to wait for every process to join; a process
+      that never joins ends the others after it. `None` takes the launcher's
+      `--initialization-timeout`, else JAX's default (300).
     - `heartbeat_timeout_seconds`: seconds without a heartbeat after which a process is
-      taken as dead; every other process then exits with an error ("the JAX distributed
-      service detected fatal errors") instead of waiting for it. `None` keeps JAX's
-      default (100).
+      taken as lost; every other process then ends with an error ("the JAX distributed
+      service detected fatal errors", and eqxshard's line naming the lost process)
+      instead of waiting for it. It also bounds a collective stuck on a lost peer (JAX
+      has no timeout of its own for those). `None` takes the launcher's
+      `--heartbeat-timeout`, else JAX's default (100).
+    - `shutdown_timeout_seconds`: seconds the processes wait for each other when the
+      script ends. `None` keeps JAX's default (300).
     - `exit_on_error`: end this process at once on an uncaught exception or an uncaught
       non-zero `SystemExit` (see above), by setting `sys.excepthook` and watching for
       `SystemExit` leaving the program with `sys.monitoring` (Python 3.12+; on 3.11, by
@@ -282,19 +166,28 @@ def initialize(
       (the variables seen are in the message).
     - `RuntimeError`: from JAX, if a JAX computation already ran in this process.
     """
-    _check_arguments(initialization_timeout, heartbeat_timeout_seconds, exit_on_error)
+    _check_arguments(
+        initialization_timeout, heartbeat_timeout_seconds, shutdown_timeout_seconds, exit_on_error
+    )
     if jax.distributed.is_initialized():
         return "already initialized"
-    timeouts: dict[str, Any] = {}
-    if initialization_timeout is not None:
-        timeouts["initialization_timeout"] = initialization_timeout
-    if heartbeat_timeout_seconds is not None:
-        timeouts["heartbeat_timeout_seconds"] = heartbeat_timeout_seconds
     join = clusters.detect()
     if join is None:
         return "single process"
+    timeouts: dict[str, Any] = {}
+    for name, value in (
+        ("initialization_timeout", initialization_timeout),
+        ("heartbeat_timeout_seconds", heartbeat_timeout_seconds),
+        ("shutdown_timeout_seconds", shutdown_timeout_seconds),
+    ):
+        value = joining.launcher_timeout(name, value)
+        if value is not None:
+            timeouts[name] = value
+    joining.before(join, timeouts)
     jax.distributed.initialize(**join.kwargs, **timeouts)
     _check_count(join)
-    if exit_on_error and jax.process_count() > 1:
-        _end_promptly_on_errors()
+    if jax.process_count() > 1:
+        joining.after()
+        if exit_on_error:
+            _end_promptly_on_errors()
     return join.how

@@ -3,7 +3,7 @@
 at once when a `SystemExit` with a non-zero code leaves the script: `sys.exit(n)` and
 `raise SystemExit(n)` written out alike.
 
-Python 3.12+ sees that through `sys.monitoring` (`initialize._watch_system_exit`); Python
+Python 3.12+ sees that through `sys.monitoring` (`exits._watch_system_exit`); Python
 3.11 has no such hook (CPython reads the code in C, with no Python frame left), so there
 the launcher starts each process through this file (`children.child_command`). It is run
 by its path, not as `-m eqxshard...`, so that nothing (JAX included) is imported before
@@ -14,7 +14,7 @@ import os
 import runpy
 import sys
 
-INITIALIZE = "eqxshard._processes.initialize"
+EXITS = "eqxshard._processes.exits"
 
 
 def main(argv: list[str]) -> None:
@@ -30,9 +30,9 @@ def main(argv: list[str]) -> None:
     try:
         run()
     except SystemExit as e:
-        initialize = sys.modules.get(INITIALIZE)
-        if initialize is not None and initialize.ends_promptly():
-            initialize.end_on_system_exit(e.code)
+        exits = sys.modules.get(EXITS)
+        if exits is not None and exits.ends_promptly():
+            exits.end_on_system_exit(e.code)
         raise
 
 

@@ -4,6 +4,10 @@ Damaged checkpoints are built at call time in a temporary directory of their own
 the call removes again.
 """
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,9 @@
 """Bad inputs to the Jacobian verbs and to `batch_size="auto"` / `memory_budget`."""
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
 
 import jax

@@ -2,6 +2,10 @@
 calls with its parsed command line) and to `initialize`. Every one is refused before any
 process is started or any run is joined."""
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
 
 import os

@@ -1,6 +1,10 @@
 """Bad inputs to the placement verbs: `filter_shard`, `filter_replicate`, `filter_put`,
 `filter_get`, outside and inside `jax.jit`."""
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
 
 from collections.abc import Callable

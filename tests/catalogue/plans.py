@@ -1,6 +1,10 @@
 """Bad inputs to the plan verbs and sharding rules: `path_rules`, `fsdp`, `logical`, `like`,
 `first`, `filter_plan`, `describe`, `filter_init`."""
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,6 +1,12 @@
 """Bad inputs to `filter_shard_map`: its arguments, its specs and the call itself."""
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
+
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +23,7 @@ _args = ({"w": jnp.ones((4, 8)), "act": jax.nn.relu},)
 
 def _run(fun=lambda t: t["w"], *, args=_args, call_kwargs=None, **kwargs):
     def call():
-        options = dict(mesh=_mesh, in_specs=P("x"), out_specs=P("x"))
+        options: dict[str, Any] = dict(mesh=_mesh, in_specs=P("x"), out_specs=P("x"))
         options.update(kwargs)
         return filter_shard_map(fun, **options)(*args, **(call_kwargs or {}))
 
@@ -31,7 +37,7 @@ def _no_mesh():
 CASES: list[Case] = [
     Case(
         "filter_shard_map/fun-not-callable",
-        lambda: filter_shard_map(3, mesh=_mesh, in_specs=P(), out_specs=P()),  # pyright: ignore[reportArgumentType]
+        lambda: filter_shard_map(3, mesh=_mesh, in_specs=P(), out_specs=P()),
         TypeError,
         r"callable `fun`",
     ),

@@ -21,7 +21,8 @@ from harness import load_worker
 
 import eqxshard
 
-example = load_worker(
+# Any: the example's names (patched below) are not known before it is loaded.
+example: Any = load_worker(
     Path(__file__).resolve().parents[2] / "examples" / "train_multihost.py", "train_multihost"
 )
 WHERE, STEP, PROCESS = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -72,6 +72,7 @@ def init_optimizer_state_like_params(process: int) -> None:
     model = filter_init(make_model, mesh, fsdp("data", min_size=0))(jax.random.key(0))
     params = eqx.filter(model, eqx.is_array)
     state = filter_init(optax.adam(1e-3).init, mesh, like(params))(params)
+    state = cast(tuple[Any, ...], state)  # optax types a state as an `ArrayTree`: it is a tuple
     mu = state[0].mu.layers[0].weight
     check(mu.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2), str(mu.sharding))
     check(state[0].count.sharding.is_fully_replicated, str(state[0].count.sharding))
@@ -98,7 +99,8 @@ def shard_with_path_rules(process: int) -> None:
     placed = eqxshard.filter_shard(model, mesh, rules)
     weight = placed.layers[0].weight
     check(weight.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2), "weight split")
-    check(placed.layers[0].bias.sharding.is_fully_replicated, "bias replicated")
+    bias = placed.layers[0].bias
+    check(bias is not None and bias.sharding.is_fully_replicated, "bias replicated")
     check_local_shards(placed, model)
 
 

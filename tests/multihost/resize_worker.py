@@ -25,7 +25,7 @@ from jax.sharding import AxisType
 import eqxshard
 
 
-def make_tree() -> dict[str, np.ndarray]:
+def make_tree() -> dict[str, np.ndarray | np.generic]:  # "step" is a NumPy scalar
     rng = np.random.default_rng(7)
     return {
         "weight": rng.normal(size=(64, 24)).astype(np.float32),
@@ -37,7 +37,7 @@ def make_tree() -> dict[str, np.ndarray]:
     }
 
 
-def digest(tree: dict[str, np.ndarray]) -> str:
+def digest(tree: dict[str, np.ndarray | np.generic]) -> str:
     h = hashlib.sha256()
     for name in sorted(tree):
         h.update(np.ascontiguousarray(tree[name]).tobytes())
@@ -62,8 +62,9 @@ def main() -> int:
             want = eqxshard.filter_plan(like, mesh, rule)[key]
             if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
                 raise AssertionError(f"{key}: sharding {leaf.sharding}, planned {want}")
+            whole = np.asarray(expected[key])  # "step" is a NumPy scalar
             for shard in leaf.addressable_shards:  # this process's part, bit for bit
-                if not np.array_equal(np.asarray(shard.data), expected[key][shard.index]):
+                if not np.array_equal(np.asarray(shard.data), whole[shard.index]):
                     raise AssertionError(f"{name}: {key}{shard.index} differs from the saved")
         gathered = eqxshard.filter_get(restored)  # a collective: every process takes part
         log(f"restored {name} on {jax.process_count()} processes: {digest(gathered)}", flush=True)

@@ -85,3 +85,14 @@ def test_restore_in_one_process_what_two_saved(devices: int, run: dict[str, Any]
         assert leaf.sharding.device_set == set(jax.devices()[:devices])
     worker.check_types(out, like, f"B on {devices} devices")
     worker.check_bit_exact(out, dict(np.load(workdir / "b.npz")), f"B on {devices} devices")
+
+
+@pytest.mark.heavy
+def test_restore_in_four_processes_what_two_saved(run: dict[str, Any]) -> None:
+    """Checkpoint B, saved from 2 processes, read by 4 processes x 4 devices."""
+    workdir = Path(run["workdir"])
+    if not (workdir / "b.npz").exists():
+        pytest.fail(f"the workers wrote no checkpoint B; their stderr: {run['stderr']}")
+    four = run_workers(HERE / "restore4_worker.py", 4, workdir, "r4-", str(workdir))
+    check_scenario(four, "restore_on_four_processes", 4)
+    check_clean_exit(four, 4)

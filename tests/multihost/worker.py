@@ -48,7 +48,7 @@ def make_mesh(shape: tuple[int, ...], names: tuple[str, ...], kind: AxisType) ->
 
 
 def is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    return jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def check_global(

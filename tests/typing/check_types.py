@@ -4,6 +4,7 @@ input's structure keep its static type, so a user's editor still knows it holds 
 `assert_type` fails the pyright run if the inferred type differs (e.g. `Any`).
 """
 
+import re
 from typing import assert_type
 
 import equinox as eqx
@@ -49,3 +50,20 @@ def check_types(mesh: jax.sharding.Mesh) -> None:
         return x + 1
 
     assert_type(g(jnp.ones((4, 3))), jax.Array)
+
+    # path_rules takes a dict keyed by strings, by compiled patterns, or by both.
+    by_string: dict[str, P | None] = {r".*bias": None, r".*": P()}
+    either: dict[str | re.Pattern[str], P | None] = {re.compile(r".*"): P()}
+    eqxshard.path_rules(by_string)
+    eqxshard.path_rules(either)
+    eqxshard.path_rules({re.compile(r".*"): P()})
+    eqxshard.path_rules({re.compile(r".*bias"): None, r".*": P()})
+
+    # filter_jit keeps the function's signature, called directly or as a decorator.
+    assert_type(eqxshard.filter_jit(f)(jnp.ones(3), 2.0), tuple[jax.Array, jax.Array])
+
+    @eqxshard.filter_jit(donate=(True,), out_shardings=P())
+    def h(x: jax.Array) -> jax.Array:
+        return x + 1
+
+    assert_type(h(jnp.ones(3)), jax.Array)

@@ -1,0 +1,117 @@
+"""Which leaves `filter_restore` reads: `like` against the checkpoint's metadata.
+
+By default both must hold the same leaves with the same shapes and dtypes (one error
+lists every difference). `cast=True` reads a leaf saved in another dtype into `like`'s;
+`strict=False` restores what matches and keeps the rest: leaves only the checkpoint has
+are not read (a part of a saved tree), and leaves of `like` the checkpoint lacks or holds
+in another shape keep `like`'s own value (a model that changed since the save).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import numpy as np
+
+from .. import _compat
+from .._tree import Flat, leaf_error, pathstr, shape_str
+
+
+def stored(leaf: Any) -> jax.ShapeDtypeStruct:
+    """Shape and dtype of what `filter_save` writes for a leaf (key data for PRNG keys)."""
+    if _compat.is_prng_key(leaf):
+        return jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+
+
+def _describe(shape: Any, dtype: Any) -> str:
+    return f"{shape_str(tuple(shape))} {np.dtype(dtype).name}"
+
+
+def match(
+    where: str,
+    flat: Flat,
+    names: dict[str, int],
+    saved: Any,
+    *,
+    strict: bool,
+    cast: bool,
+) -> tuple[dict[str, int], list[int]]:
+    """The leaves to read (name -> index in `flat`) and those that keep `like`'s value.
+
+    Raises one error listing every difference that `strict` and `cast` do not allow.
+    """
+    rows: list[tuple[str, ...]] = []
+    read: dict[str, int] = {}
+    kept: list[tuple[int, str]] = []
+    for name, i in names.items():
+        want = stored(flat.leaves[i])
+        asked = _describe(want.shape, want.dtype)
+        if name not in saved:
+            rows.append((name, f"in `like` as {asked}", "not in the checkpoint"))
+            kept.append((i, "not in the checkpoint"))
+            continue
+        have = saved[name]
+        held = _describe(have.shape, have.dtype)
+        if tuple(have.shape) != tuple(want.shape):
+            rows.append((name, f"in `like` as {asked}", f"in the checkpoint as {held}"))
+            kept.append((i, f"saved as {held}, asked as {asked}"))
+        elif np.dtype(have.dtype) != np.dtype(want.dtype) and not cast:
+            rows.append((name, f"in `like` as {asked}", f"in the checkpoint as {held}"))
+            kept.append((i, f"saved as {held}, asked as {asked}"))
+        else:
+            read[name] = i
+    extra = [n for n in saved if n not in names]
+    if strict:
+        rows += [
+            (
+                n,
+                "not in `like`",
+                f"in the checkpoint as {_describe(saved[n].shape, saved[n].dtype)}",
+            )
+            for n in extra
+        ]
+        if rows:
+            raise ValueError(
+                leaf_error(
+                    f"`filter_restore`: {where} does not match `like` (leaves by dotted path; "
+                    "PRNG keys as their key data):",
+                    rows,
+                    "Build `like` as the saved tree was built (the same model class and "
+                    "configuration). To restore every leaf that matches and keep `like`'s own "
+                    "value for the others (a new model, initialised and placed), or to read a "
+                    "part of the saved tree, pass `strict=False`; to read leaves saved in "
+                    "another dtype into `like`'s dtype, pass `cast=True`.",
+                )
+            )
+        return read, []
+    abstract = [
+        (pathstr(flat.paths[i]), why)
+        for i, why in kept
+        if not isinstance(flat.leaves[i], (jax.Array, np.ndarray, np.generic))
+    ]
+    if abstract:
+        raise ValueError(
+            leaf_error(
+                f"`filter_restore` (with `strict=False`): {where} has no value for these leaves "
+                "of `like`, and `like` holds none either (they are abstract):",
+                abstract,
+                "Pass a `like` with arrays at these leaves (e.g. a newly initialised model), "
+                "whose values are then kept.",
+            )
+        )
+    if kept:
+        rows_kept = [(pathstr(flat.paths[i]), why) for i, why in kept]
+        warnings.warn(
+            leaf_error(
+                f"`filter_restore` (with `strict=False`) kept `like`'s own value for these "
+                f"leaves, which {where} does not hold as asked:",
+                rows_kept,
+                "They are laid out as asked but not restored; pass `strict=True` to make this "
+                "an error.",
+            ),
+            stacklevel=3,
+        )
+    return read, [i for i, _ in kept]

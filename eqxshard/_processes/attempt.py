@@ -1,0 +1,217 @@
+"""One attempt of a launched run: start every process, forward their output, and wait
+until they all end well or the first one ends badly (then end the others).
+
+`launch` (in `launcher.py`) makes one attempt, and with `max_restarts` another after each
+failure. Only processes started here (and whatever they started: each leads its own
+session) are ever signalled.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO
+
+from .children import _POLL_S, _end_all, _exit_code, _Stopped
+from .gloo_chatter import GlooChatter
+from .hosts import SSH_FAILED
+
+TIMEOUT_EXIT = 124
+INTERRUPT_EXIT = 130
+# Lines of each process's stderr kept, to quote when its host could not be started.
+_KEPT_LINES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """How to start one process: its argv and environment, and where it runs."""
+
+    process_id: int
+    argv: list[str]
+    env: dict[str, str]
+    host: str | None  # None: this machine
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How an attempt ended.
+
+    - `code`: the launcher's exit code for it (0: every process ended well).
+    - `kind`: `"done"`, `"failed"` (a process ended badly: a restart may help),
+      `"unstarted"` (a host could not be started: the run stops), `"timeout"`,
+      `"interrupted"` or `"stopped"` (the launcher got a signal).
+    - `message`: what happened, for the launcher's `[launch]` line.
+    """
+
+    code: int
+    kind: str
+    message: str = ""
+
+
+class _Process:
+    def __init__(self, start: Start, popen: subprocess.Popen[bytes]) -> None:
+        self.start = start
+        self.popen = popen
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_KEPT_LINES)
+        self.printed = threading.Event()  # a line came on its stdout
+
+    def where(self) -> str:
+        host = f" on {self.start.host}" if self.start.host is not None else ""
+        return f"process {self.start.process_id}{host}"
+
+
+def how_it_ended(returncode: int) -> str:
+    """`code 1`, `code -9 (killed by SIGKILL)`, `code 137 (128 + SIGKILL: killed by it)`."""
+    if returncode < 0:
+        try:
+            return f"code {returncode} (killed by {signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"code {returncode} (killed by signal {-returncode})"
+    if returncode > 128:
+        try:
+            name = signal.Signals(returncode - 128).name
+            return f"code {returncode} (128 + {name}: killed by it)"
+        except ValueError:
+            pass
+    return f"code {returncode}"
+
+
+def _forward(
+    stream: IO[bytes],
+    prefix: bytes,
+    out: IO[bytes],
+    lock: threading.Lock,
+    process: _Process,
+    is_stderr: bool,
+) -> None:
+    chatter = GlooChatter()  # one per process: its messages can be split over two lines
+    for line in iter(stream.readline, b""):
+        if not line.endswith(b"\n"):
+            line += b"\n"
+        if is_stderr:
+            process.stderr_tail.append(line.decode(errors="replace").rstrip())
+        else:
+            process.printed.set()
+        with lock:
+            for kept in chatter.filter(line):
+                out.write(prefix + kept)
+            out.flush()
+    stream.close()
+
+
+def run_attempt(
+    starts: Sequence[Start],
+    *,
+    out: IO[bytes],
+    err: IO[bytes],
+    lock: threading.Lock,
+    note: Callable[[str], None],
+    deadline: float | None,
+    timeout: float | None,
+    grace: float,
+    remote: bool,
+) -> Outcome:
+    """Starts `starts`, waits for them; see the module. Raises `OSError` with the host in
+    its message when a process cannot be started at all (e.g. the template is missing)."""
+    procs: list[_Process] = []
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()  # (index, return code), in exit order
+    threads: list[threading.Thread] = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            handlers[sig] = signal.signal(sig, _raise_stopped)
+    try:
+        for index, start in enumerate(starts):
+            try:
+                popen = subprocess.Popen(
+                    start.argv,
+                    env=start.env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            except OSError as e:
+                where = f" on host {start.host}" if start.host is not None else ""
+                raise OSError(
+                    f"cannot start process {start.process_id}{where}: `{start.argv[0]}`: {e}"
+                ) from e
+            process = _Process(start, popen)
+            procs.append(process)
+            waiter = threading.Thread(
+                target=lambda i=index, p=popen: exits.put((i, p.wait())), daemon=True
+            )
+            waiter.start()
+            prefix = f"[{start.process_id}] ".encode()
+            for stream, sink, is_err in ((popen.stdout, out, False), (popen.stderr, err, True)):
+                assert stream is not None
+                t = threading.Thread(
+                    target=_forward,
+                    args=(stream, prefix, sink, lock, process, is_err),
+                    daemon=True,
+                )
+                t.start()
+                threads.append(t)
+        remaining = len(procs)
+        while remaining:
+            try:
+                # Short waits: a blocking `get` would hold off Ctrl-C and the timeout.
+                index, returncode = exits.get(timeout=_POLL_S)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    note(f"the run took longer than --timeout {timeout:g} s; ending every process")
+                    return Outcome(TIMEOUT_EXIT, "timeout")
+                continue
+            remaining -= 1
+            if returncode == 0:
+                continue
+            process = procs[index]
+            others = f"ending the {remaining} still running" if remaining else "none left"
+            # Let its last stderr lines arrive before quoting them.
+            for t in threads[2 * index : 2 * index + 2]:
+                t.join(timeout=1.0)
+            if remote and returncode == SSH_FAILED and not process.printed.is_set():
+                said = " | ".join(process.stderr_tail) or "(it printed nothing)"
+                template = " ".join(process.start.argv[: _template_length(process.start)])
+                return Outcome(
+                    _exit_code(returncode),
+                    "unstarted",
+                    f"cannot start {process.where()}: `{template}` exited with {returncode}: "
+                    f"{said}; stopping the run ({others})",
+                )
+            return Outcome(
+                _exit_code(returncode),
+                "failed",
+                f"{process.where()} exited with {how_it_ended(returncode)}; {others}",
+            )
+        return Outcome(0, "done")
+    except KeyboardInterrupt:
+        note("interrupted; ending every process")
+        return Outcome(INTERRUPT_EXIT, "interrupted")
+    except _Stopped as e:
+        note(f"got {e}; ending every process")
+        return Outcome(128 + e.signum, "stopped")
+    finally:
+        _end_all([p.popen for p in procs], grace)
+        for t in threads:
+            t.join(timeout=grace)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _template_length(start: Start) -> int:
+    """How many leading words of `start.argv` are the remote template's (before `env`)."""
+    for i, word in enumerate(start.argv):
+        if word == "env":
+            return i
+    return len(start.argv)
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped(signum)

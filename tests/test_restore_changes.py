@@ -1,0 +1,133 @@
+"""Restores that survive change (issue 20): onto an Explicit mesh and other device counts,
+a part of a saved tree, another dtype, and a model changed since the save. Real orbax
+underneath; values compared with what was saved, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import eqxshard
+from eqxshard import filter_restore, filter_save
+
+
+def _tree(seed: int = 0, **shapes):
+    key = jax.random.key(seed)
+    shapes = shapes or {"w": (8, 4), "b": (8,), "v": (8, 8)}
+    return {
+        k: jax.random.normal(jax.random.fold_in(key, i), s)
+        for i, (k, s) in enumerate(shapes.items())
+    }
+
+
+def _same(a, b) -> None:
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_onto_explicit_meshes_and_fewer_devices(tmp_path: Path) -> None:
+    auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    saved = eqxshard.filter_shard(_tree(), auto, P("data"))
+    filter_save(tmp_path, 0, saved)
+    abstract = jax.eval_shape(lambda: _tree())
+    # 8 devices onto a (2, 4) Explicit mesh, and onto 4 devices.
+    grid = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    four = jax.make_mesh(
+        (4,), ("data",), axis_types=(AxisType.Explicit,), devices=jax.devices()[4:]
+    )
+    for mesh, spec in ((grid, P("data", "model")), (four, P("data"))):
+        out = filter_restore(tmp_path, abstract, mesh, {"w": spec, "b": P("data"), "v": spec})
+        for k in saved:
+            _same(out[k], saved[k])
+        want = NamedSharding(mesh, spec)
+        assert out["w"].sharding.is_equivalent_to(want, 2)
+        assert out["w"].sharding.mesh.axis_types == mesh.axis_types
+        assert out["w"].sharding.device_set == set(mesh.devices.flat)
+        # The restored arrays work in a step on that mesh (Explicit axes in context).
+        total = jax.jit(lambda t: t["w"].sum() + t["b"].sum())(out)
+        np.testing.assert_allclose(total, saved["w"].sum() + saved["b"].sum(), rtol=1e-5)
+
+
+def test_parameters_from_a_parameters_and_optimiser_checkpoint(tmp_path: Path) -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    params = eqxshard.filter_shard(_tree(), mesh, P("data"))
+    opt_state = eqxshard.filter_shard(optax.adam(1e-3).init(params), mesh, eqxshard.like(params))
+    filter_save(tmp_path, 3, (params, opt_state))
+    like = (jax.eval_shape(lambda: _tree()), None)  # the saved structure; `None`: not read
+    with pytest.raises(
+        ValueError, match=r"(?s)does not match `like`.*1\.0\.mu\.w\s+not in `like`.*strict=False"
+    ):
+        filter_restore(tmp_path, like, mesh, P("data"))
+    restored, nothing = filter_restore(tmp_path, like, mesh, P("data"), strict=False)
+    assert nothing is None
+    for k in params:
+        _same(restored[k], params[k])
+
+
+def test_into_another_dtype_when_asked(tmp_path: Path) -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    saved = eqxshard.filter_shard(_tree(), mesh, P("data"))
+    filter_save(tmp_path, 0, saved)
+    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16), saved)
+    with pytest.raises(
+        ValueError,
+        match=r"(?s)w\s+in `like` as \(8, 4\) bfloat16\s+"
+        r"in the checkpoint as \(8, 4\) float32.*cast=True",
+    ):
+        filter_restore(tmp_path, like, mesh, P("data"))
+    out = filter_restore(tmp_path, like, mesh, P("data"), cast=True)
+    for k in saved:
+        assert out[k].dtype == jnp.bfloat16
+        _same(out[k], saved[k].astype(jnp.bfloat16))
+    assert out["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+
+
+def test_after_the_model_changed(tmp_path: Path) -> None:
+    mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+    saved = eqxshard.filter_shard(_tree(), mesh, P("data"))
+    filter_save(tmp_path, 0, saved)
+    # `w` resized, `v` removed, `extra` added.
+    new = eqxshard.filter_shard(_tree(1, w=(8, 8), b=(8,), extra=(4,)), mesh, P("data"))
+    with pytest.raises(ValueError) as info:
+        filter_restore(tmp_path, new, mesh, P("data"))
+    text = str(info.value)
+    assert "w      in `like` as (8, 8) float32  in the checkpoint as (8, 4) float32" in text
+    assert "extra  in `like` as (4,) float32    not in the checkpoint" in text
+    assert "v      not in `like`                in the checkpoint as (8, 8) float32" in text
+    assert "strict=False" in text  # the way to restore the rest
+    with pytest.warns(
+        UserWarning,
+        match=r"(?s)kept `like`'s own value.*\['extra'\]  not in the checkpoint"
+        r".*\['w'\].*saved as \(8, 4\)",
+    ):
+        out = filter_restore(tmp_path, new, mesh, P("data"), strict=False)
+    _same(out["b"], saved["b"])  # restored
+    _same(out["w"], new["w"])  # kept, laid out as asked
+    _same(out["extra"], new["extra"])
+    assert out["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+    abstract = jax.eval_shape(lambda: _tree(1, w=(8, 8), b=(8,)))
+    with pytest.raises(ValueError, match=r"(?s)has no value for these leaves.*\['w'\]"):
+        filter_restore(tmp_path, abstract, mesh, P("data"), strict=False)
+    for name in ("strict", "cast"):
+        with pytest.raises(TypeError, match=f"`{name}` as a bool"):
+            filter_restore(tmp_path, new, mesh, P("data"), **{name: "yes"})
+
+
+def test_an_equinox_model_after_a_layer_was_added(tmp_path: Path) -> None:
+    mesh = jax.make_mesh((8,), ("data",))
+    old = eqxshard.filter_shard(eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0)), mesh)
+    filter_save(tmp_path, 0, old)
+    new = eqxshard.filter_shard(eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(1)), mesh)
+    with pytest.warns(UserWarning, match=r"(?s)\.layers\[2\]\.weight.*\.layers\[2\]\.bias"):
+        out = filter_restore(tmp_path, new, mesh, strict=False)
+    _same(out.layers[0].weight, old.layers[0].weight)
+    _same(out.layers[2].weight, new.layers[2].weight)
+    # `layers.1` is the old output layer (16 -> 8) and the new hidden one (16 -> 16).
+    _same(out.layers[1].weight, new.layers[1].weight)
+    assert out.activation is new.activation
