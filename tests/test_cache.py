@@ -1,6 +1,8 @@
 """The placement cache: a call seen to pass every check is placed from its remembered
 plan; any change that could change the result or an error takes the full path again."""
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -88,7 +90,7 @@ def test_a_different_tree_is_resolved_again(resolves, change):
 
 
 def test_a_different_target_spec_or_mesh_is_resolved_again(resolves):
-    tree = {"x": np.ones((8, 4), np.float32)}
+    tree: dict[str, Any] = {"x": np.ones((8, 4), np.float32)}
     mesh = make_mesh("auto", (8,), ("data",))
     other = make_mesh("auto", (8,), ("data",), jax.devices()[::-1])
     small = make_mesh("auto", (2,), ("data",))
@@ -112,7 +114,7 @@ def test_a_different_target_spec_or_mesh_is_resolved_again(resolves):
 
 
 def test_the_ambient_mesh_is_part_of_the_call(resolves):
-    tree = {"x": np.ones((8, 4), np.float32)}
+    tree: dict[str, Any] = {"x": np.ones((8, 4), np.float32)}
     mesh, small = make_mesh("auto", (8,), ("data",)), make_mesh("auto", (2,), ("data",))
     with jax.set_mesh(mesh):
         filter_shard(tree, P("data"))
@@ -163,7 +165,7 @@ def test_nothing_is_remembered_inside_jit(resolves):
 
 
 def test_filter_put_remembers_memory_kinds(resolves):
-    tree = {"x": np.ones((8, 4), np.float32)}
+    tree: dict[str, Any] = {"x": np.ones((8, 4), np.float32)}
     device = jax.devices()[2]
     on_host = filter_put(tree, device, memory_kind="pinned_host")
     filter_put(tree, device, memory_kind="pinned_host")
