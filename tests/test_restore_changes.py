@@ -5,6 +5,7 @@ underneath; values compared with what was saved, bit for bit."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -116,7 +117,8 @@ def test_after_the_model_changed(tmp_path: Path) -> None:
         filter_restore(tmp_path, abstract, mesh, P("data"), strict=False)
     for name in ("strict", "cast"):
         with pytest.raises(TypeError, match=f"`{name}` as a bool"):
-            filter_restore(tmp_path, new, mesh, P("data"), **{name: "yes"})
+            options: dict[str, Any] = {name: "yes"}
+            filter_restore(tmp_path, new, mesh, P("data"), **options)
 
 
 def test_an_equinox_model_after_a_layer_was_added(tmp_path: Path) -> None:

@@ -1,6 +1,10 @@
 """Bad inputs to `filter_jit` (the training step) and to the options issue 20 added to
 `like` and `filter_restore`."""
 
+# Every case passes a bad argument on purpose, to check the error it raises: what a type
+# checker says about those arguments is the point of this file, not a mistake in it.
+# pyright: reportArgumentType=false, reportCallIssue=false
+
 from __future__ import annotations
 
 import jax

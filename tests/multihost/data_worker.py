@@ -64,7 +64,8 @@ def mesh() -> jax.sharding.Mesh:
 def process_local_batch_is_built_without_a_gather(process: int, workdir: Path) -> None:
     local = load_rows(workdir, process)
     GATHERED.clear()
-    batch = eqxshard.filter_shard(local, mesh(), P("data"), process_local=True)
+    # `filter_shard` is typed `(tree: T) -> T`; a NumPy leaf comes back as a `jax.Array`.
+    batch: jax.Array = eqxshard.filter_shard(local, mesh(), P("data"), process_local=True)  # pyright: ignore[reportAssignmentType]
     check(GATHERED == [], f"process_allgather was called: {GATHERED} bytes")
     check(batch.shape == (2 * ROWS, FEATURES), f"global shape {batch.shape}")
     # This process's devices hold exactly its own rows, in order.
@@ -86,7 +87,7 @@ def host_memory_is_bounded_by_the_local_share(process: int, workdir: Path) -> No
     m = mesh()
     eqxshard.filter_shard(np.zeros((8, 64), np.float32), m, P("data"), process_local=True)
     tracemalloc.start()
-    batch = eqxshard.filter_shard(local, m, P("data"), process_local=True)
+    batch: jax.Array = eqxshard.filter_shard(local, m, P("data"), process_local=True)  # pyright: ignore[reportAssignmentType]
     batch.block_until_ready()
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
