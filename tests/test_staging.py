@@ -67,6 +67,7 @@ def host_leaves():
         "i64": rng.integers(-(2**40), 2**40, size=(301,)),
         "bool": rng.random(1001) > 0.5,
         "c64": (rng.normal(size=(40, 8)) + 1j).astype(np.complex64),
+        "columns": rng.normal(size=(64, 64)).astype(np.float32),  # pieces not contiguous
         "empty": np.zeros((0, 5), np.float32),
         "scalar": np.float32(3.5),
         "small": np.arange(3, dtype=np.int32),
@@ -84,6 +85,7 @@ def test_forced_staging_is_bit_identical_to_device_put(moves):
         "i64": named(mesh),
         "bool": SingleDeviceSharding(jax.devices()[0]),
         "c64": named(mesh, None, "data"),
+        "columns": named(mesh, None, "data"),  # (64, 8) a device: 2 KiB, two parts joined
         "empty": named(mesh),
         "scalar": named(mesh),
         "small": named(mesh),
