@@ -16,8 +16,10 @@ parameter `lambda`, the dense `weight`, the `input`, the initial `state`) and th
 (rev/fwd): time and temporaries (bytes per device, `compiled.memory_analysis()`) of
 `jax.jac*`, `eqx.filter_jac*` and `eqxshard.filter_jac*` at `batch_size` = all (`None`),
 n/8 and "auto" (budget: 1/4 of `jax.jac*`'s temporaries), and the per-device temporaries
-of n/8 over 8 devices, split along the basis (`mesh=`) or along the batch of sequences
-(the inputs sharded, `vmap` as before). Ratios are against `jax.jac*` in the same run.
+of n/8 over the D devices found (8 CPU devices on a CPU-only machine, `JAX_NUM_CPU_DEVICES`
+for another count), split along the basis (`mesh=`) or along the batch of sequences
+(the inputs sharded, `vmap` as before; `-` where D does not divide the batch of 16).
+Ratios are against `jax.jac*` in the same run.
 
 The workload is the seed's: state 64, batch 16 (`jit(vmap(jac))`), T in {64, 128, 256,
 512}, 1 and 2 layers; the default run is trimmed to T = 64, one layer; `--full` runs all
@@ -38,7 +40,10 @@ import time
 
 import jax
 
-jax.config.update("jax_num_cpu_devices", 8)
+# 8 CPU devices (JAX_NUM_CPU_DEVICES=n for another count), before JAX starts its
+# backends. GPUs and TPUs are not affected: the benchmark uses every device it finds.
+if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    jax.config.update("jax_num_cpu_devices", 8)
 
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -249,12 +254,13 @@ def lambda_table(runner, lengths, layer_counts):
 
 
 def main_table(runner, lengths, layer_counts, names, modes):
-    mesh = jax.make_mesh((8,), ("basis",), axis_types=(jax.sharding.AxisType.Auto,))
+    devices = jax.device_count()
+    mesh = jax.make_mesh((devices,), ("basis",), axis_types=(jax.sharding.AxisType.Auto,))
     print("time (t) and temporaries (m) as ratios to jax.jac* of the same row")
     header = (
         f"{'T':>4} {'L':>2} {'wrt':>6} {'mode':>4} {'n':>5} | {'jax ms':>9} {'jax MB':>8} | "
         f"{'eqx t':>6} | {'all t':>6} {'all m':>6} | {'n/8 ms':>9} {'n/8 t':>6} {'n/8 m':>6} | "
-        f"{'auto k':>6} {'auto m':>6} {'fits':>5} | {'basis/8':>7} {'batch/8':>7} {'coll':>4}"
+        f"{'auto k':>6} {'auto m':>6} {'fits':>5} | {'basis/D':>7} {'batch/D':>7} {'coll':>4}"
     )
     print(header)
     print("-" * len(header))
@@ -263,11 +269,13 @@ def main_table(runner, lengths, layer_counts, names, modes):
             args = make_args(T, layers)
             params, inputs, state = args
             split = NamedSharding(mesh, P("basis"))
-            batch_args = (
-                params,
-                jax.device_put(inputs, split),
-                jax.device_put(state, NamedSharding(mesh, P(None, "basis"))),
-            )
+            batch_args = None
+            if BATCH % devices == 0:  # the batch of sequences split over the devices
+                batch_args = (
+                    params,
+                    jax.device_put(inputs, split),
+                    jax.device_put(state, NamedSharding(mesh, P(None, "basis"))),
+                )
             for name in names:
                 f, pick = quantity(name, layers)
                 for mode in modes:
@@ -299,20 +307,24 @@ def main_table(runner, lengths, layer_counts, names, modes):
                     except ValueError:  # even one vector at a time does not fit the budget
                         auto_cells = f"{'-':>6} {'-':>6} {'raise':>5}"
 
-                    k8s = max(8, k8 // 8 * 8)
+                    k8s = max(devices, k8 // devices * devices)
                     sharded = batched(ours(f, batch_size=k8s, mesh=mesh), pick)
                     c_basis, m_basis = runner.compile(sharded, args)
-                    c_batch, m_batch = runner.compile(
-                        batched(ours(f, batch_size=k8), pick), batch_args
-                    )
-                    texts = c_basis.as_text() + c_batch.as_text()
+                    texts = c_basis.as_text()
+                    batch_cell = f"{'-':>7}"
+                    if batch_args is not None:
+                        c_batch, m_batch = runner.compile(
+                            batched(ours(f, batch_size=k8), pick), batch_args
+                        )
+                        texts += c_batch.as_text()
+                        batch_cell = f"{m_batch / m_8:>7.3f}"
                     coll = "yes" if any(op in texts for op in COLLECTIVES) else "none"
                     print(
                         f"{T:>4} {layers:>2} {name:>6} {mode:>4} {n:>5} | "
                         f"{ms(t_jax):>9} {m_jax / 2**20:>8.2f} | {eqx_t} | "
                         f"{all_t} {m_all / m_jax:>6.2f} | "
                         f"{ms(t_8):>9} {ratio(t_8, t_jax)} {m_8 / m_jax:>6.3f} | {auto_cells} | "
-                        f"{m_basis / m_8:>7.3f} {m_batch / m_8:>7.3f} {coll:>4}",
+                        f"{m_basis / m_8:>7.3f} {batch_cell} {coll:>4}",
                         flush=True,
                     )
 
@@ -343,8 +355,9 @@ def main():
     runner = Runner(int(opts.cap_gib * 2**30), opts.seconds, opts.repeat)
     print(
         f"jax {jax.__version__}, equinox {eqx.__version__}, Python {platform.python_version()}; "
-        f"{cpu_name()}, {os.cpu_count()} cores, {len(jax.devices())} CPU devices; programs "
-        f"with temporaries over {opts.cap_gib} GiB are not run"
+        f"{cpu_name()}, {os.cpu_count()} cores, {len(jax.devices())} "
+        f"{jax.devices()[0].platform} devices; programs with temporaries over "
+        f"{opts.cap_gib} GiB are not run"
     )
     if opts.only != "main":
         lambda_table(runner, lengths, layer_counts)

@@ -1,8 +1,9 @@
 """`jit(filter_shard_map(step))` against `jit(pmap(step))` and `pmap(step)`, multi-step loop.
 
-The workload is the shape of the pmap cookbook's collectives section: each of 8 CPU
-devices holds a block of a 1-D field; one step exchanges a halo cell with each
-neighbour (`ppermute` on a ring), takes a diffusion step, and renormalises with a
+The workload is the shape of the pmap cookbook's collectives section: each device (8 CPU
+devices on a CPU-only machine, `JAX_NUM_CPU_DEVICES=n` for another count; every
+accelerator it finds otherwise) holds a block of a 1-D field; one step exchanges a halo
+cell with each neighbour (`ppermute` on a ring), takes a diffusion step, and renormalises with a
 `psum`. The loop runs 100 steps (20 with `--quick`), either inside one `jit`
 (`fori_loop`) or as one call per step from Python, each waited for. Every row runs in the
 same process, interleaved, and is reported as a ratio to `pmap(step)` called from Python
@@ -16,14 +17,17 @@ device's block where it is.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import warnings
 from collections.abc import Callable
 
 import jax
 
-# 8 CPU devices, before JAX starts its backends (on a machine with 8 GPUs, drop this).
-jax.config.update("jax_num_cpu_devices", 8)
+# 8 CPU devices (JAX_NUM_CPU_DEVICES=n for another count), before JAX starts its
+# backends. GPUs and TPUs are not affected: the benchmark uses every device it finds.
+if "JAX_NUM_CPU_DEVICES" not in os.environ:
+    jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -31,7 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from eqxshard import filter_shard_map  # noqa: E402
 
-N_DEV = 8
+N_DEV = jax.device_count()
 
 
 def step(x: jax.Array) -> jax.Array:

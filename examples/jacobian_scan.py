@@ -6,7 +6,8 @@ state w.r.t. the scan parameter `lambda`, the dense weight, the input sequence a
 initial state (reverse mode: one row per state entry, 64 rows).
 
 `jax.jacrev` pulls all 64 rows back at once. Here the unchunked Jacobian needs more
-temporaries than the (pretend) budget, so `eqxshard.filter_jacrev(batch_size="auto",
+temporaries than the (pretend) budget, set from figures measured on this device (between
+what one row at a time and all rows at once need), so `eqxshard.filter_jacrev(batch_size="auto",
 memory_budget=...)` picks a chunk of rows that fits, and the result is checked
 against `jax.jacrev`. Finally the rows are split over every device (`mesh=`).
 
@@ -69,12 +70,31 @@ inputs = jax.random.normal(keys[3], (BATCH, T, STATE))
 init_state = jnp.ones((BATCH, STATE))
 args = (params, inputs, init_state)
 
+
+def temporaries(fn):
+    return fn.memory_analysis().temp_size_in_bytes
+
+
+def matmul_rtol():
+    """A tolerance for float32 results here: 1e-3, or more where the platform's default
+    matmul precision is lower (TF32 on recent NVIDIA GPUs), from one measured product."""
+    a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)
+    default = np.asarray(jnp.dot(a, a))
+    with jax.default_matmul_precision("highest"):
+        exact = np.asarray(jnp.dot(a, a))
+    return max(1e-3, 10 * float(np.max(np.abs(default - exact)) / np.max(np.abs(exact))))
+
+
 reference = compiled(batched(jax.jacrev(model)), *args)
-unchunked = reference.memory_analysis().temp_size_in_bytes
-budget = unchunked // 4
+unchunked = temporaries(reference)
+# The budget comes from this device's own figures: a quarter of the unchunked temporaries,
+# but never below what pulling back one row at a time needs here (compilers differ).
+one_row = temporaries(compiled(batched(eqxshard.filter_jacrev(model, batch_size=1)), *args))
+budget = max(unchunked // 4, one_row + (unchunked - one_row) // 8)
 print(f"T = {T}, batch {BATCH}: jax.jacrev needs {unchunked:,} bytes of temporaries")
-print(f"budget: {budget:,} bytes per device")
-assert unchunked > budget
+print(f"one row at a time needs {one_row:,}; budget: {budget:,} bytes per device")
+assert one_row <= budget < unchunked, "chunking the rows saves no memory on this device"
+rtol = matmul_rtol()
 
 # "auto" measures the program it is compiled into: under `jit(vmap(jac))`, the batched one.
 jac = eqxshard.filter_jacrev(model, batch_size="auto", memory_budget=budget)
@@ -86,7 +106,7 @@ print(f"<= budget: {temps <= budget}")
 assert temps <= budget
 
 jacs, expected = chunked(*args), reference(*args)
-jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3), jacs, expected)
+jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol), jacs, expected)
 print(
     "equal to jax.jacrev; d state / d lambda:",
     jacs[0]["lambda"].shape,
@@ -99,7 +119,7 @@ devices = jax.device_count()
 mesh = jax.make_mesh((devices,), ("rows",))
 sharded = compiled(batched(eqxshard.filter_jacrev(model, batch_size=devices, mesh=mesh)), *args)
 d_input = sharded(*args)[1]
-np.testing.assert_allclose(d_input, expected[1], rtol=1e-3, atol=1e-3)
+np.testing.assert_allclose(d_input, expected[1], rtol=rtol, atol=rtol)
 hlo = sharded.as_text()
 gathers = "all-gather" in hlo
 print(f"sharded over {devices} devices:", d_input.sharding.spec, "all-gather in HLO:", gathers)

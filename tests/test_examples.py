@@ -76,6 +76,19 @@ def test_placement_benchmark_quick():
     assert result.returncode == 0, output
     assert "480 array leaves" in result.stdout, output
     assert re.search(r"\(c\) compiled HLO, both f\s+identical", result.stdout), output
+    assert re.search(
+        r"\(b\) re-place an already-placed model\s+[\d.]+ ms\s+[\d.]+ ms", result.stdout
+    )
+
+
+def test_transfer_benchmark_quick():
+    """The staged path, forced onto CPU devices, runs and gives `device_put`'s bits."""
+    result = run_script(ROOT / "benchmarks" / "transfer.py", "--quick")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    rows = [line for line in result.stdout.splitlines() if " ms " in line]
+    assert len(rows) == 3, output
+    assert all(" yes" in row for row in rows), output
 
 
 def test_multihost_resume_of_a_finished_run_says_so(tmp_path: Path):

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 
 from .. import _compat
-from .._placement import place
+from .._placement import place, staging
 from .._plans.plan import plan_shardings
 from .._tree import Flat, T, is_array_like, leaf_error, pathstr
 from . import restore_match
@@ -196,9 +196,16 @@ def filter_restore(
             ) from e
         where = f"step {step} in {directory}"
         read, kept = restore_match.match(where, flat, names, saved, strict=strict, cast=cast)
-        abstract = {}
+        abstract: dict[str, Any] = {}
+        via_host = []  # read to host NumPy, then staged onto accelerators (`staging`)
         for name, i in read.items():
             want = restore_match.stored(flat.leaves[i])
+            if not _compat.is_prng_key(flat.leaves[i]) and staging.through_host(
+                want.shape, want.dtype, shardings[i]
+            ):
+                abstract[name] = staging.host_placeholder(want.shape, want.dtype)
+                via_host.append(name)
+                continue
             abstract[name] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=shardings[i])
         try:
             if len(read) == len(saved):
@@ -211,6 +218,10 @@ def filter_restore(
             ) from e
     finally:
         manager.close()
+    if via_host:
+        targets = [shardings[read[name]] for name in via_host]
+        placed = staging.device_put([restored[name] for name in via_host], targets)
+        restored = {**restored, **dict(zip(via_host, placed, strict=True))}
     # Leaves kept from `like` (`strict=False`), laid out as asked: the path of `filter_shard`.
     out = place.place(verb, flat, {i: shardings[i] for i in kept}) if kept else {}
     for name, i in read.items():

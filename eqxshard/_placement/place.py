@@ -22,15 +22,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
 from .._tree import Flat, leaf_error, pathstr
-from . import multihost
+from . import multihost, staging
 
 
-def _already_placed(x: Any, sharding: Sharding) -> bool:
+def already_placed(x: Any, sharding: Sharding) -> bool:
     """Whether a concrete leaf already has exactly this layout (so no copy is needed)."""
     if not isinstance(x, jax.Array) or not x.committed:
         return False
     current = x.sharding
-    if current == sharding:
+    if current is sharding or current == sharding:
         return True
     if isinstance(sharding, NamedSharding):
         if not isinstance(current, NamedSharding):
@@ -144,9 +144,9 @@ def place(
 ) -> dict[int, Any]:
     """Places every array leaf of `flat` that has a sharding; returns the new leaves."""
     check_traced_moves(verb, flat, shardings)
-    traced = {i: s for i, s in shardings.items() if _needs_constraint(flat.leaves[i], s)}
+    traced = {i: s for i, s in shardings.items() if needs_constraint(flat.leaves[i], s)}
     concrete = {i: settled(s) for i, s in shardings.items() if i not in traced}
-    concrete = {i: s for i, s in concrete.items() if not _already_placed(flat.leaves[i], s)}
+    concrete = {i: s for i, s in concrete.items() if not already_placed(flat.leaves[i], s)}
     if process_local:
         _check_process_local(verb, flat, shardings, traced)
     out: dict[int, Any] = {}
@@ -191,7 +191,7 @@ def settled(sharding: Sharding) -> Sharding:
     return sharding.update(spec=spec)
 
 
-def _needs_constraint(x: Any, sharding: Sharding) -> bool:
+def needs_constraint(x: Any, sharding: Sharding) -> bool:
     if _compat.is_tracer(x):
         return True
     return isinstance(sharding, NamedSharding) and isinstance(
@@ -225,7 +225,7 @@ def _put_concrete(
         for i, data in zip(to_global, host, strict=True):
             out[i] = _from_host(data, flat.leaves[i], shardings[i])
     if local:
-        moved = jax.device_put([flat.leaves[i] for i in local], [shardings[i] for i in local])
+        moved = staging.device_put([flat.leaves[i] for i in local], [shardings[i] for i in local])
         out.update(zip(local, moved, strict=True))
     return out
 

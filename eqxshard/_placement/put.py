@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, Sharding, SingleDeviceSharding
 
 from .. import _compat
 from .._tree import Flat, T, leaf_error, pathstr
-from . import place, resolve, targets
+from . import cache, place, resolve, targets
 
 
 def _backend_sharding(name: str) -> Sharding:
@@ -44,9 +44,10 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
     With only `memory_kind`, each leaf keeps its layout and changes memory: offload with
     `filter_put(state, memory_kind="pinned_host")`, bring back with
     `filter_put(state, memory_kind="device")`. Outside `jax.jit` this is one batched
-    `jax.device_put`. Inside `jax.jit`, memory kinds and layouts on the computation's own
-    devices work; moving a traced leaf to a device or backend does not (JAX cannot), and
-    raises. Non-array leaves are returned unchanged.
+    `jax.device_put` (big host NumPy leaves bound for an accelerator staged through
+    pinned host memory in parts, as `filter_shard` does). Inside `jax.jit`, memory kinds
+    and layouts on the computation's own devices work; moving a traced leaf to a device or
+    backend does not (JAX cannot), and raises. Non-array leaves are returned unchanged.
 
     **Arguments:**
 
@@ -75,7 +76,8 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         kind the target devices lack, a prefix tree that does not match `tree`, or a
         traced leaf asked to move to another device or backend inside `jit` (do the move
         outside `jit`), or a memory kind inside `jit` on a JAX that cannot move memory
-        there (jax < 0.8 on CPU).
+        there (jax < 0.8 on CPU), or if `EQXSHARD_STAGING` or `EQXSHARD_STAGING_BYTES`
+        holds a value it cannot read.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 
@@ -102,6 +104,20 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
             f"`filter_put` takes `memory_kind` as a string such as 'pinned_host' or 'device', "
             f"but got {memory_kind!r} of type {type(memory_kind).__name__}."
         )
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = cache.NEVER
+    if target is not None:  # without a target, each leaf's own layout: nothing to remember
+        found = cache.lookup(
+            leaves,
+            treedef,
+            ("filter_put", memory_kind),
+            target=target,
+            spec=resolve.UNSET,
+            target_leaf=targets.is_target_leaf,
+            spec_leaf=targets.is_spec_leaf,
+        )
+    if found.moves is not None:
+        return cache.place_tree(tree, leaves, treedef, found.moves)
     flat = Flat(tree)
     sync = resolve.must_sync(target)
     if not any(flat.is_array) and not sync:  # see `filter_shard`
@@ -120,12 +136,17 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         shardings = {
             i: s.with_memory_kind(memory_kind) if s is not None else s for i, s in shardings.items()
         }
-    placed = place.place("filter_put", flat, {i: s for i, s in shardings.items() if s is not None})
+    given = {i: s for i, s in shardings.items() if s is not None}
+    placed = place.place("filter_put", flat, given)
+    if found.key is not None and len(given) == len(shardings):
+        moves = cache.moves_of(given)
+        if moves is not None:
+            cache.store(found, moves)
     if memory_kind is not None:  # traced leaves with no known layout: JAX keeps it
         for i, s in shardings.items():
             if s is None:
                 placed[i] = place.to_memory_kind(flat.leaves[i], memory_kind)
-    return flat.rebuild(placed)
+    return flat.rebuild(placed) if placed else tree
 
 
 def _current_sharding(x: Any) -> Sharding | None:

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._tree import Flat, T
-from . import place, resolve
+from . import cache, place, resolve, targets
 
 SpecLike = PartitionSpec | PyTree[PartitionSpec | None] | Callable[[Any, Any], Any] | None
 
@@ -29,9 +29,13 @@ def filter_shard(
     Outside `jax.jit` this is a real transfer: one batched `jax.device_put` over every
     leaf that needs moving, across devices, device sets and backends (NumPy inputs,
     uncommitted and committed `jax.Array`s alike). Leaves already laid out as asked are
-    returned as they are, with no copy. Inside `jax.jit` it is a layout constraint chosen
-    by the mesh's axis types (`with_sharding_constraint` on Auto axes, a reshard on
-    Explicit axes, both on a mixed mesh), so the same call works in both places.
+    returned as they are, with no copy (and if none has to move, `tree` itself). Big host
+    NumPy leaves bound for an accelerator are staged through pinned host memory in parts
+    (`EQXSHARD_STAGING`, `EQXSHARD_STAGING_BYTES`; bit-identical to `jax.device_put`). A
+    call like one made before (the same tree structure, leaf types, shapes, dtypes,
+    `target` and `spec`) reuses what that call resolved. Inside `jax.jit` it is a layout
+    constraint chosen by the mesh's axis types (`with_sharding_constraint` on Auto axes, a
+    reshard on Explicit axes, both on a mixed mesh), so the same call works in both places.
     Non-array leaves are returned unchanged (the very same objects).
 
     It is a drop-in replacement for `eqx.filter_shard(x, device_or_shardings)`.
@@ -90,7 +94,8 @@ def filter_shard(
         traced leaf would have to move to another device set or backend inside `jit`
         (do that move outside `jit`); `process_local=True` is used inside `jit` or with a
         non-mesh target, or processes pass different local shapes; processes pass
-        different data for a global array.
+        different data for a global array; `EQXSHARD_STAGING` or
+        `EQXSHARD_STAGING_BYTES` holds a value it cannot read.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 
@@ -128,9 +133,25 @@ def filter_shard(
                 f"`filter_shard` takes `{name}` as a bool, but got {flag!r} of type "
                 f"{type(flag).__name__}. Pass `{name}=True` or `{name}=False`."
             )
-    flat = Flat(tree)
     target = resolve.UNSET if target is None else target
     spec = resolve.UNSET if spec is None else spec
+    # A call like one seen before (same tree structure, leaf types, shapes, dtypes,
+    # target and spec) is placed from its remembered moves, skipping the checks it passed.
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = cache.NEVER
+    if not process_local:
+        found = cache.lookup(
+            leaves,
+            treedef,
+            ("filter_shard", check_consistent),
+            target=target,
+            spec=spec,
+            target_leaf=targets.is_target_leaf,
+            spec_leaf=targets.is_spec_leaf,
+        )
+    if found.moves is not None:
+        return cache.place_tree(tree, leaves, treedef, found.moves)
+    flat = Flat(tree)
     # With several processes, a call that spans them checks its leaves with the other
     # processes even if this process has no arrays (theirs may differ).
     sync = resolve.must_sync(target)
@@ -151,7 +172,10 @@ def filter_shard(
         process_local=process_local,
         check_consistent=check_consistent,
     )
-    return flat.rebuild(placed)
+    moves = None if found.key is None else cache.moves_of(shardings)
+    if moves is not None:
+        cache.store(found, moves)
+    return flat.rebuild(placed) if placed else tree
 
 
 def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
@@ -195,10 +219,26 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
             f"`filter_replicate` takes a `Mesh` as `mesh`, but got {type(mesh).__name__}. "
             "To replicate on a device or a sharding, use `filter_shard(tree, target)`."
         )
-    flat = Flat(tree)
     target = resolve.UNSET if mesh is None else mesh
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = cache.lookup(
+        leaves,
+        treedef,
+        ("filter_replicate",),
+        target=target,
+        spec=resolve.UNSET,
+        target_leaf=targets.is_target_leaf,
+        spec_leaf=targets.is_spec_leaf,
+    )
+    if found.moves is not None:
+        return cache.place_tree(tree, leaves, treedef, found.moves)
+    flat = Flat(tree)
     sync = resolve.must_sync(target)
     if not any(flat.is_array) and not sync:
         return tree
     shardings = resolve.resolve("filter_replicate", flat, target, resolve.UNSET)
-    return flat.rebuild(place.place("filter_replicate", flat, shardings))
+    placed = place.place("filter_replicate", flat, shardings)
+    moves = None if found.key is None else cache.moves_of(shardings)
+    if moves is not None:
+        cache.store(found, moves)
+    return flat.rebuild(placed) if placed else tree

@@ -45,7 +45,7 @@ def is_target_leaf(x: Any) -> bool:
     return x is None or isinstance(x, TARGET_TYPES) or isinstance(x, str)
 
 
-def _is_spec_leaf(x: Any) -> bool:
+def is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
 
 
@@ -143,7 +143,7 @@ def resolve_here(
         for i in flat.array_indices:
             specs[i] = spec(flat.paths[i], flat.leaves[i])
     else:
-        specs = per_leaf(flat, spec, argname="spec", verb=verb, is_leaf=_is_spec_leaf)
+        specs = per_leaf(flat, spec, argname="spec", verb=verb, is_leaf=is_spec_leaf)
 
     out: dict[int, Sharding] = {}
     # (mesh, spec) per leaf, checked before any `NamedSharding` is built: its constructor
@@ -253,7 +253,7 @@ def resolve_here(
     shapes = multihost.global_shapes(flat, layouts, process_local=process_local)
     check_specs(verb, flat, layouts, shapes)
     # One `NamedSharding` per distinct layout, shared by its leaves: building one costs more
-    # than the dict lookup, and `device_put` and `_already_placed` compare them faster.
+    # than the dict lookup, and `device_put` and `place.already_placed` compare them faster.
     # (Keyed by identity: `P(("a",)) == P("a")`, and each leaf keeps the very spec it got.)
     built: dict[tuple[int, int], NamedSharding] = {}
     for i, (mesh, spec) in layouts.items():

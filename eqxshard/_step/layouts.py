@@ -148,7 +148,7 @@ def check_inputs(flat: Flat, shardings: dict[int, Sharding]) -> None:
         x = flat.leaves[i]
         if is_tracer(x) or not isinstance(x, jax.Array) or not x.committed:
             continue
-        if not _place._already_placed(x, sharding):
+        if not _place.already_placed(x, sharding):
             rows.append(
                 (
                     call_path(flat.paths[i]),
