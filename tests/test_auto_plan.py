@@ -3,6 +3,7 @@
 hand-built candidate, trains like the unsharded model, and explains itself."""
 
 import math
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -38,7 +39,7 @@ def step(model, opt_state, batch):
 
 
 def auto_plan(**kwargs):
-    options = dict(devices=4, budget=BUDGET, optimizer=OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=4, budget=BUDGET, optimizer=OPTIMIZER, progress=False)
     return eqxshard.auto_plan(step, make_model(jax.random.key(0)), BATCH, **(options | kwargs))
 
 
@@ -68,6 +69,7 @@ def _compiled_total(model, opt_state, batch, loss_sharding):
     )
     jitted = jax.jit(run, donate_argnums=(0, 1), out_shardings=out)
     m = jitted.lower(params, opt_state, batch).compile().memory_analysis()
+    assert m is not None
     return (
         m.argument_size_in_bytes
         + m.output_size_in_bytes
@@ -85,7 +87,8 @@ def test_chosen_plan_fits_by_its_own_compile_and_trains_like_unsharded(plan):
     batch = _data()
     sharded = plan.shard(model, opt_state, batch)
     loss_sharding = NamedSharding(plan.mesh, P())
-    total = _compiled_total(*sharded, loss_sharding)
+    model, opt_state, batch = sharded
+    total = _compiled_total(model, opt_state, batch, loss_sharding)
     assert total <= plan.budget
     assert abs(total - chosen.total_bytes) <= 0.05 * total
     # Three steps under the plan and unsharded give the same losses and parameters.
@@ -205,6 +208,7 @@ def test_a_step_without_optimizer():
 
 def test_devices_as_a_list_or_a_shape(plan):
     on_last_four = auto_plan(devices=jax.devices()[4:])
+    assert isinstance(on_last_four.mesh, jax.sharding.Mesh)  # devices this machine has
     assert set(on_last_four.mesh.devices.flat) == set(jax.devices()[4:])
     assert on_last_four.chosen.mesh_shape == plan.chosen.mesh_shape
     for shape in ((2, 2), AbstractMesh((2, 2), ("a", "b"))):
@@ -344,7 +348,7 @@ def test_bad_arguments(kwargs, error, match):
 def test_bad_step_and_batch():
     model = make_model(jax.random.key(0))
     with pytest.raises(TypeError, match=r"callable `step`"):
-        eqxshard.auto_plan(None, model, BATCH, devices=4, budget=BUDGET, optimizer=OPTIMIZER)
+        eqxshard.auto_plan(None, model, BATCH, devices=4, budget=BUDGET, optimizer=OPTIMIZER)  # pyright: ignore[reportArgumentType]
 
     def broken(model, opt_state, batch):
         return model(batch[0]), opt_state, 0.0  # an MLP takes one vector, not a batch
@@ -363,7 +367,7 @@ def test_bad_step_and_batch():
     with pytest.raises(ValueError, match=r"at least one array leaf"):
         eqxshard.auto_plan(step, model, (1, 2), devices=4, budget=BUDGET, optimizer=OPTIMIZER)
     with pytest.raises(TypeError, match=r"`Link` takes `bandwidth` as a number"):
-        eqxshard.Link("fast", 0.0)
+        eqxshard.Link("fast", 0.0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match=r"`bandwidth` > 0"):
         eqxshard.Link(0.0, 0.0)
 
@@ -403,6 +407,7 @@ def test_estimate_within_ten_percent_of_a_subprocess_compile():
     (b,) = [c for c in estimated.table if c.mesh_shape == {"data": 2, "fsdp": 8}]
     assert a.measured_on == "compiled on 16 CPU devices in a subprocess" and not a.estimated
     assert b.estimated and b.measured_on.startswith("estimated from a compile on data=1 x fsdp=8")
+    assert a.total_bytes is not None and b.total_bytes is not None
     assert abs(b.total_bytes - a.total_bytes) <= 0.1 * a.total_bytes
     sent_a, sent_b = sum(a.collectives.values()), sum(b.collectives.values())
     assert abs(sent_b - sent_a) <= 0.1 * sent_a
