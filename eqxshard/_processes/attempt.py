@@ -66,6 +66,17 @@ class _Process:
         return f"process {self.start.process_id}{host}"
 
 
+# How long the launcher waits, after a process ended badly, for others ending with it.
+SETTLE_S = 0.5
+
+
+def _killed(returncode: int) -> bool:
+    """Whether a process was ended by a signal (directly, or under a shell: 128 + N) other
+    than SIGABRT, which is how JAX ends a process that lost a peer: a cause, not an effect."""
+    sig = -returncode if returncode < 0 else returncode - 128 if returncode > 128 else None
+    return sig is not None and sig != signal.SIGABRT
+
+
 def how_it_ended(returncode: int) -> str:
     """`code 1`, `code -9 (killed by SIGKILL)`, `code 137 (128 + SIGKILL: killed by it)`."""
     if returncode < 0:
@@ -171,6 +182,19 @@ def run_attempt(
             remaining -= 1
             if returncode == 0:
                 continue
+            # A peer of a process that was killed ends as soon as it sees the loss, maybe
+            # before the launcher heard of the kill: wait a moment for exits arriving at the
+            # same time and report the root cause (a process killed by a signal) first.
+            ended, settle = [(index, returncode)], time.monotonic() + SETTLE_S
+            while remaining and (left := settle - time.monotonic()) > 0:
+                try:
+                    other = exits.get(timeout=left)
+                except queue.Empty:
+                    break
+                remaining -= 1
+                if other[1] != 0:
+                    ended.append(other)
+            index, returncode = min(ended, key=lambda e: not _killed(e[1]))
             process = procs[index]
             others = f"ending the {remaining} still running" if remaining else "none left"
             # Let its last stderr lines arrive before quoting them.

@@ -20,8 +20,11 @@ from runs import EXAMPLE, HANG_S, Run, child_env, final_parameters
 HELLO = """\
 import os, socket, sys
 names = ("EQXSHARD_", "JAX_")
+# (The stand-in for ssh passes the launcher's environment on: the test suite's own
+# EQXSHARD_TEST_* settings are not the run's variables.)
 print("hello", socket.gethostname(), sorted((k, v) for k, v in os.environ.items()
-      if k.startswith(names)), sys.argv[1:], sys.executable, __file__, flush=True)
+      if k.startswith(names) and not k.startswith("EQXSHARD_TEST_")), sys.argv[1:],
+      sys.executable, __file__, flush=True)
 if len(sys.argv) > 2 and os.environ["EQXSHARD_PROCESS_ID"] == sys.argv[2]:
     import time
     time.sleep(120)
