@@ -17,8 +17,9 @@ from ._mapping.stream import filter_stream as filter_stream
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard
-from ._plans.auto_plan import auto_plan as auto_plan
-from ._plans.auto_plan_types import Candidate as Candidate, Plan as Plan
+from ._plans.auto.links import LINKS as LINKS, Link as Link
+from ._plans.auto.result import Candidate as Candidate, Plan as Plan
+from ._plans.auto.search import auto_plan as auto_plan
 from ._plans.describe import (
     LeafRow as LeafRow,
     ShardingTable as ShardingTable,
@@ -26,7 +27,6 @@ from ._plans.describe import (
 )
 from ._plans.fsdp import fsdp as fsdp
 from ._plans.like import like as like
-from ._plans.links import LINKS as LINKS, Link as Link
 from ._plans.logical import logical as logical
 from ._plans.plan import filter_init as filter_init, filter_plan as filter_plan
 from ._plans.rules import (

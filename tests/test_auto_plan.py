@@ -14,10 +14,10 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans import auto_plan as auto_plan_module
-from eqxshard._plans.candidates import tensor_parallel_roles
-from eqxshard._plans.collectives import collectives
-from eqxshard._plans.extrapolate import reduced_shape
+from eqxshard._plans.auto import search as auto_plan_module
+from eqxshard._plans.auto.candidates import tensor_parallel_roles
+from eqxshard._plans.auto.collectives import collectives
+from eqxshard._plans.auto.extrapolate import reduced_shape
 
 OPTIMIZER = optax.adamw(1e-2)
 # Parameters, gradients and AdamW's state replicated take 1.03 MiB: data parallel does
@@ -417,7 +417,7 @@ def test_estimate_within_ten_percent_of_a_subprocess_compile():
 
 @pytest.mark.heavy
 def test_a_failed_subprocess_compile_says_what_to_do():
-    from eqxshard._plans import compile_remote
+    from eqxshard._plans.auto import compile_remote
 
     with pytest.raises(
         RuntimeError, match=r"(?s)could not compile on 4 CPU devices.*`compile_limit`"

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from .._placement import place as place_
-from .._tree import is_array_like
+from ..._placement import place as place_
+from ..._tree import is_array_like
+from ..plan import plan_shardings
 from .collectives import Collective, collectives
-from .plan import plan_shardings
 
 # Compile without LLVM's optimisations: the code is never run, and the figures read here
 # (buffer sizes, flops, collectives) come from the HLO passes before it. A third faster.

@@ -1,4 +1,4 @@
-"""Run as `python -m eqxshard._plans.compile_worker IN OUT` by `compile_remote`: compiles
+"""Run as `python -m eqxshard._plans.auto.compile_worker IN OUT` by `compile_remote`: compiles
 each StableHLO module of IN (JSON: device count, modules) on that many CPU devices and
 writes each one's memory figures, flops and compiled HLO text to OUT (JSON)."""
 
@@ -15,7 +15,7 @@ def main(src: str, dst: str) -> None:
 
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(work["devices"]))
-    from .. import _compat
+    from ... import _compat
 
     results = []
     for text in work["modules"]:

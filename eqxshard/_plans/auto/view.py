@@ -7,10 +7,10 @@ from __future__ import annotations
 import html
 from typing import TYPE_CHECKING
 
-from .._tree import format_bytes
+from ..._tree import format_bytes
 
 if TYPE_CHECKING:
-    from .auto_plan_types import Candidate, Plan
+    from .result import Candidate, Plan
 
 PARTS = ("parameters", "gradients", "optimizer state", "batch", "activations")
 _COLOURS = ("#4878d0", "#6acc64", "#ee854a", "#956cb4", "#d65f5f")

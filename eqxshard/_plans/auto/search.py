@@ -13,20 +13,20 @@ import jax
 import tqdm
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
-from .._tree import is_array_like
+from ..._tree import is_array_like
 from . import (
-    auto_plan_args as args_,
-    auto_plan_rank as rank_,
+    arguments as args_,
     compile_remote,
     extrapolate,
     flops as flops_,
     links as links_,
+    rank as rank_,
 )
-from .auto_plan_types import Plan
-from .auto_plan_view import mesh_str
 from .cache import CACHE as _CACHE, hashable as _hashable, shapes_key as _shapes_key
 from .candidates import Layout, batch_axes, batch_spec, layouts
 from .measure import Placed, Problem, abstract, compile_here, place
+from .result import Plan
+from .view import mesh_str
 
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.

@@ -22,9 +22,9 @@ import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 
-from .._tree import Path, is_array_like
-from .fsdp import fsdp
-from .rules import Rule, dotted_path, path_rules
+from ..._tree import Path, is_array_like
+from ..fsdp import fsdp
+from ..rules import Rule, dotted_path, path_rules
 
 AXES = ("data", "fsdp", "model")
 

@@ -10,10 +10,10 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
-from .._placement.shard import filter_shard
-from .._tree import format_bytes
-from . import auto_plan_view
-from .plan import filter_init
+from ..._placement.shard import filter_shard
+from ..._tree import format_bytes
+from ..plan import filter_init
+from . import view
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +122,13 @@ class Plan:
     def summary(self) -> str:
         c = self.chosen
         return (
-            f"Chosen: {c.name} on {auto_plan_view.mesh_str(c.mesh_shape)}: "
+            f"Chosen: {c.name} on {view.mesh_str(c.mesh_shape)}: "
             f"{format_bytes(c.total_bytes or 0)} per device of {format_bytes(self.budget)}, "
-            f"estimated {auto_plan_view.seconds_str(c.time)} per step. {c.reason}"
+            f"estimated {view.seconds_str(c.time)} per step. {c.reason}"
         )
 
     def __str__(self) -> str:
-        return auto_plan_view.text(self)
+        return view.text(self)
 
     def __repr__(self) -> str:
         return (
@@ -137,4 +137,4 @@ class Plan:
         )
 
     def _repr_html_(self) -> str:
-        return auto_plan_view.to_html(self)
+        return view.to_html(self)

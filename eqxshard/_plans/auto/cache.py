@@ -6,7 +6,7 @@ from typing import Any
 
 import jax
 
-from .._tree import is_array_like
+from ..._tree import is_array_like
 from .measure import Measurement
 
 # Compiled results, per (step, shapes, mesh shape, rules, batch on that mesh): a second

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh
 
-from .._tree import format_bytes, is_array_like
+from ..._tree import format_bytes, is_array_like
 
 # Without `budget=`, this fraction of the device's memory (`bytes_limit`) is left free,
 # for the runtime, the data pipeline and fragmentation.

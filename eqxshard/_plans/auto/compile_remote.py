@@ -43,7 +43,7 @@ def _run(count: int, texts: list[str]) -> list[tuple[dict[str, int], float, str]
             json.dump({"devices": count, "modules": texts}, f)
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         done = subprocess.run(
-            [sys.executable, "-m", "eqxshard._plans.compile_worker", src, dst],
+            [sys.executable, "-m", "eqxshard._plans.auto.compile_worker", src, dst],
             env=env,
             capture_output=True,
             text=True,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .._tree import format_bytes
+from ..._tree import format_bytes
 from . import extrapolate, links as links_
-from .auto_plan_types import Candidate
-from .auto_plan_view import mesh_str, seconds_str
 from .candidates import Layout
 from .measure import Measurement, Placed
+from .result import Candidate
+from .view import mesh_str, seconds_str
 
 
 def candidate(
