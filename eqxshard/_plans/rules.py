@@ -7,8 +7,7 @@ each array leaf, with that leaf's mesh. Rules here:
 - `path_rules([(pattern, spec), ...])`: regular expressions over each leaf's dotted path;
 - `first(a, b, ...)` or `a | b`: the first rule that matches a leaf gives its spec.
 
-Other rules build on `Rule`: `fsdp` (`fsdp.py`), `logical` (`logical.py`), `like`
-(`like.py`).
+Other rules build on `Rule`: `fsdp`, `logical`, `like` (each in its own module).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from .. import _compat
 from .._placement.targets import RuleError
 from .._tree import Path, shape_str
 
@@ -109,7 +109,7 @@ class _Constant(Rule):
         return self.spec
 
     def __repr__(self) -> str:
-        return repr(self.spec)
+        return _compat.spec_str(self.spec)
 
 
 class _Callable(Rule):
@@ -202,7 +202,8 @@ class PathRules(Rule):
         return NO_MATCH
 
     def __repr__(self) -> str:
-        return f"path_rules({[(p.pattern, s) for p, s in self.rules]!r})"
+        rules = ", ".join(f"({p.pattern!r}, {_compat.spec_str(s)})" for p, s in self.rules)
+        return f"path_rules([{rules}])"
 
 
 def path_rules(

@@ -19,7 +19,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
-from .._compat import ambient_mesh, is_tracer
+from .._compat import ambient_mesh, is_tracer, spec_str
 from .._placement import place as _place, resolve as _resolve, targets as _targets
 from .._plans.rules import Rule
 from .._tree import Flat, Path, is_array_like, leaf_error, pathstr
@@ -170,7 +170,7 @@ def check_inputs(flat: Flat, shardings: dict[int, Sharding]) -> None:
 
 def _layout(sharding: Sharding) -> str:
     if isinstance(sharding, NamedSharding):
-        return f"{sharding.spec} over mesh {dict(sharding.mesh.shape)}"
+        return f"{spec_str(sharding.spec)} over mesh {dict(sharding.mesh.shape)}"
     return repr(sharding)
 
 

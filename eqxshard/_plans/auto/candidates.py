@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from ..._tree import Path, is_array_like
 from ..fsdp import fsdp
-from ..rules import Rule, dotted_path, path_rules
+from ..rules import Rule, as_rule, dotted_path, path_rules
 
 AXES = ("data", "fsdp", "model")
 
@@ -212,7 +212,7 @@ def layouts(model: Any, n: int, user_rules: list[Any]) -> list[Layout]:
         elif "fsdp" in shape:
             out.append(Layout(name, shape, fsdp("fsdp")))
         else:
-            out.append(Layout(name, shape, P()))
+            out.append(Layout(name, shape, as_rule(P(), "auto_plan")))  # repr: P()
         for k, rule in enumerate(user_rules):
             out.append(Layout(f"rules[{k}]", shape, rule))
     return out
