@@ -75,7 +75,9 @@ def _abstract(x: Any) -> Any:
     sharding = None if is_tracer(x) or not isinstance(x, jax.Array) else x.sharding
     if not isinstance(sharding, jax.sharding.NamedSharding):
         sharding = None
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    # NumPy's float64 is float32 to JAX without x64: canonical, as `jit` would make it.
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
 
 
 class AutoBatchSize:
