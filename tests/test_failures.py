@@ -79,6 +79,25 @@ def test_heartbeats_stopped_names_the_lost_process_and_the_checkpoint():
     )
 
 
+# What the survivor's own eqxshard check (a coordination-service barrier) raises when its
+# peer stops: text from a real run (CI, 2026-11-25).
+BARRIER_TIMEOUT = """\
+jax.errors.JaxRuntimeError: INTERNAL: Barrier failed because: task is set to ERROR: UNAVAILABLE: Task 1 heartbeat timeout. This indicates that the remote task has failed, got preempted, or crashed unexpectedly. Check the task logs for an earlier error or scheduler events (e.g. preemption, eviction) to debug further.
+
+RPC: /xla.coordination.CoordinationService/Barrier [type.googleapis.com/tensorflow.CoordinationServiceError='']
+"""  # noqa: E501
+
+
+def test_a_barrier_that_timed_out_on_a_peer_names_that_peer():
+    # Not "lost the coordinator": process 0 is the coordinator; it lost process 1.
+    line = failures.explain(BARRIER_TIMEOUT, info(0))
+    assert line is not None
+    assert line.startswith(
+        "eqxshard: process 0 on node1 lost process 1 (host node2, address 10.23.0.2): it "
+        "stopped sending heartbeats for 4 s"
+    )
+
+
 def test_the_straggler_hears_it_was_taken_as_lost():
     line = failures.explain(UNHEALTHY, info(1))
     assert line is not None

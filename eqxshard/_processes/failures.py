@@ -36,6 +36,8 @@ TAIL_BYTES = 1 << 16
 UNHEALTHY = re.compile(
     r"tasks are unhealthy \(stopped sending heartbeats\):\s*\n((?:\s*\d+\s*\n)+)"
 )
+# A barrier (or any call) of the coordination service failing on a task it took as lost.
+TASK_TIMEOUT = re.compile(r"Task (\d+) heartbeat timeout")
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
 GLOO_PEER = re.compile(
     r"Gloo ([\w-]+) failed: .*?(Connection (?:closed|reset) by peer|Connection refused|"
@@ -116,8 +118,9 @@ def explain(text: str, info: dict[str, Any]) -> str | None:
             "that reaches the coordinator)."
         )
     unhealthy = UNHEALTHY.search(text)
-    if unhealthy:
-        tasks = [int(t) for t in unhealthy.group(1).split()]
+    timed_out = sorted({int(t) for t in TASK_TIMEOUT.findall(text)})
+    if unhealthy or timed_out:
+        tasks = [int(t) for t in unhealthy.group(1).split()] if unhealthy else timed_out
         if tasks == [me]:
             return (
                 f"eqxshard: {here} was itself taken as lost: it sent no heartbeat{within} "

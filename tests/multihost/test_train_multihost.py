@@ -40,7 +40,10 @@ COMMON = [
 # What JAX says on the survivor when its peer is gone: the next collective fails
 # (gloo: "Connection reset by peer"), or the coordination service reports the missed
 # heartbeats and ends the process.
-PEER_GONE = r"Gloo \w+ failed|detected fatal errors|another task died|tasks are unhealthy"
+PEER_GONE = (
+    r"Gloo \w+ failed|detected fatal errors|another task died|tasks are unhealthy"
+    r"|Task \d+ heartbeat timeout"
+)
 
 
 def with_launcher(*args: str) -> dict[str, Any]:
