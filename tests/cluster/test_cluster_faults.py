@@ -66,11 +66,13 @@ def ended_within(run: Run, since: float, process: int, bound: float) -> None:
     assert when is not None and when - since < bound + SLACK_S, (when, since, run.text[-4000:])
 
 
-def test_link_cut_both_sides_say_whom_they_lost(make_cluster, tmp_path: Path) -> None:
+# Either end's link cut (no reset: packets are dropped), the two sides see the same.
+@pytest.mark.parametrize("node", ["node2", "node1"], ids=["worker-cut", "coordinator-cut"])
+def test_link_cut_both_sides_say_whom_they_lost(make_cluster, tmp_path: Path, node: str) -> None:
     cluster = make_cluster(2)
     run, directory = start(cluster, tmp_path)
     cut = time.monotonic() - run.start
-    cluster.cut("node2")
+    cluster.cut(node)
     assert run.finish() != 0
     zero, one = eqxshard_line(run, 0), eqxshard_line(run, 1)
     assert re.search(rf"process 0 on node1 lost {NODE2}: {HEARTBEATS}", zero), zero
@@ -105,20 +107,6 @@ def test_a_node_s_process_killed(make_cluster, tmp_path: Path) -> None:
     assert "[launch] process 1 on node2 exited with code 137 (128 + SIGKILL" in run.text
     check_checkpoint(zero, directory)
     ended_within(run, killed, 0, HEARTBEAT_S)
-
-
-def test_coordinator_cut_off(make_cluster, tmp_path: Path) -> None:
-    cluster = make_cluster(2)
-    run, directory = start(cluster, tmp_path)
-    cut = time.monotonic() - run.start
-    cluster.cut("node1")  # no reset: packets are dropped
-    assert run.finish() != 0
-    zero, one = eqxshard_line(run, 0), eqxshard_line(run, 1)
-    assert re.search(rf"process 0 on node1 lost {NODE2}: {HEARTBEATS}", zero), zero
-    assert re.search(rf"process 1 on node2 lost the coordinator, {NODE1}: no answer", one), one
-    for process, line in ((0, zero), (1, one)):
-        check_checkpoint(line, directory)
-        ended_within(run, cut, process, HEARTBEAT_S)
 
 
 def test_a_stopped_straggler_ends_too_once_it_wakes(make_cluster, tmp_path: Path) -> None:
