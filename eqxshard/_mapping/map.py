@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any, overload
+
+import equinox as eqx
 
 from .._tree import Params, T
 from .axis_name import check_axis_name_size
@@ -97,7 +100,8 @@ def filter_map(
         - a callable `leaf -> int | None`, e.g. the default `eqx.if_array(0)`.
     - `out_axes`: where the mapped axis goes in each output, a prefix PyTree of the
         output with the same three forms. `None` outputs must not depend on the mapped
-        rows.
+        rows. A Python or NumPy scalar output given an int is broadcast along the mapped
+        axis (as `jax.vmap` does).
     - `axis_name`: a hashable name for the mapped axis, for collectives (`jax.lax.psum`,
         `jax.lax.axis_index`, ...) inside `fun`. A collective over the mapped axis needs
         all rows in one `vmap`, so it is only allowed when the map runs in one chunk
@@ -118,7 +122,9 @@ def filter_map(
 
     **Returns:**
 
-    The mapped function (or, with `fun` left out, a decorator that makes it).
+    The mapped function (or, with `fun` left out, a decorator that makes it). Like
+    `eqx.filter_vmap`'s, it is a Module whose leaves are those of `fun`: a mapped Module
+    stored in another Module is trained with it.
 
     **Raises:**
 
@@ -183,27 +189,58 @@ def filter_map(
     if not callable(fun):
         raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")
 
-    @ft.wraps(fun)
-    def mapped(*args: Any, **kwargs: Any) -> Any:
+    return eqx.module_update_wrapper(
+        _MapWrapper(fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, auto)
+    )
+
+
+class _MapWrapper(eqx.Module):
+    """What `filter_map(fun)` returns: a PyTree (as `eqx.filter_vmap`'s wrapper is), so a
+    mapped Module stored in another Module, or passed through `eqx.filter_jit`, keeps its
+    arrays as leaves that are traced and differentiated rather than baked in."""
+
+    _fun: Callable
+    _batch_size: int | str | None
+    _in_axes: Any
+    _out_axes: Any
+    _axis_name: Hashable
+    _axis_size: int | None
+    _remat: bool
+    _auto: AutoBatchSize | None
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return self._fun
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise TypeError(
                 f"a function wrapped by `filter_map` takes positional arguments only, got "
                 f"keyword arguments {sorted(kwargs)}. Pass them positionally (and give them "
                 "`in_axes=None` to broadcast them)."
             )
-        if auto is None:
-            assert not isinstance(batch_size, str)  # only "auto", checked above
-            return run_chunks(
-                fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", args
-            )
+        fun, in_axes, out_axes = self._fun, self._in_axes, self._out_axes
+        options = (self._axis_name, self._axis_size, self._remat, "filter_map")
+        if self._auto is None:
+            assert not isinstance(self._batch_size, str)  # only "auto", checked above
+            return run_chunks(fun, self._batch_size, in_axes, out_axes, *options, args)
 
         def run(k: int, a: tuple) -> Any:
-            return run_chunks(
-                fun, k, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", a
-            )
+            return run_chunks(fun, k, in_axes, out_axes, *options, a)
 
         named = named_in_axes(fun, in_axes, args, "filter_map")
         n, shards = rows_and_shards(args, named, "filter_map")
-        return run(auto(run, args, n, shards), args)
+        return run(self._auto(run, args, n, shards), args)
 
-    return mapped
+    def __hash__(self) -> int:
+        # `jax.jit(filter_map(...))` hashes the wrapper; a dict `in_axes`/`out_axes` is not
+        # hashable (`eqx.filter_vmap`'s wrapper raises there), so fall back to identity.
+        try:
+            return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        except TypeError:
+            return id(self)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)  # a method: `self` is the first argument

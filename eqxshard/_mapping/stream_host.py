@@ -33,3 +33,17 @@ def output_to_host(x: jax.Array) -> Any:
     if not x.is_fully_addressable:  # a mesh over several processes: every one gets it all
         return np.asarray(_compat.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+def streamable(leaf: Any, axis: int) -> bool:
+    """A host object `filter_stream` can cut rows of along `axis`."""
+    if not hasattr(leaf, "__getitem__"):
+        return False
+    if not (hasattr(leaf, "shape") or hasattr(leaf, "__len__")):
+        return False
+    return axis == 0 or isinstance(leaf, np.ndarray | jax.Array)
+
+
+def shape_of(leaf: Any) -> tuple[int, ...]:
+    """The shape of an array, or `(len(leaf),)` for a host sequence of rows."""
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else (len(leaf),)
