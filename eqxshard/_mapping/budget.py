@@ -8,6 +8,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .._compat import batched_leaves, is_tracer
@@ -76,7 +77,9 @@ def _abstract(x: Any) -> Any:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         sharding = None
     # NumPy's float64 is float32 to JAX without x64: canonical, as `jit` would make it.
-    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    # (PRNG keys and other extended dtypes are canonical already.)
+    extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
+    dtype = x.dtype if extended else jax.dtypes.canonicalize_dtype(x.dtype)
     return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
 
 
