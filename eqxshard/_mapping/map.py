@@ -132,8 +132,9 @@ def filter_map(
         `"auto"`; if `memory_budget` is not a number; if `in_axes`/`out_axes` hold
         something else than `None`, ints and callables; if `in_axes` is a dict and `fun`'s
         signature cannot be read; if a non-array leaf is mapped; if `axis_name` is not
-        hashable or `axis_size` not an int; if keyword arguments are passed to the mapped
-        function.
+        hashable, `axis_size` not an int or `remat` not a bool; if an array leaf has a dtype
+        JAX has no arrays of (strings, objects); if keyword arguments are passed to the
+        mapped function.
     - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
         `batch_size="auto"`; with `"auto"`, if no budget is known or one row per shard
         does not fit it; if `in_axes`/`out_axes` is not a prefix of the
@@ -174,6 +175,8 @@ def filter_map(
     check_batch_size(batch_size, "filter_map", allow_auto=True)
     check_memory_budget(memory_budget, batch_size, "filter_map")
     check_axis_name_size(axis_name, axis_size, "filter_map")
+    if not isinstance(remat, bool):
+        raise TypeError(f"`filter_map(remat=...)` must be a bool, got {type(remat).__name__}.")
     if fun is None:
         return ft.partial(
             filter_map,
