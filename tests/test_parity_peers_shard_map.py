@@ -130,3 +130,18 @@ def test_a_string_given_a_spec_is_still_refused():
         filter_shard_map(lambda a, s: a, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))(
             jnp.arange(8.0), "s"
         )
+
+
+def test_jax_own_checks_name_the_users_function():
+    # An output said to be replicated that varies: JAX's check under `check_vma=True`
+    # applies, and (under `jit` too) it names the user's function, not eqxshard's wrapper.
+    mesh = make_mesh("explicit", shape=(2, 4), names=("x", "y"))
+
+    def varying_output(a):
+        return a
+
+    kw: dict[str, Any] = dict(mesh=mesh, in_specs=P("x"), out_specs=P())
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("x")))
+    for wrap in (jax.shard_map, filter_shard_map):
+        with pytest.raises(ValueError, match="function 'varying_output'.*require replication"):
+            jax.jit(wrap(varying_output, **kw))(x)

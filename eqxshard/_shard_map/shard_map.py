@@ -178,6 +178,7 @@ def _call(
             out_tree.leaves[i] for i in out_tree.array_indices
         ]
 
+    per_device.__name__ = getattr(fun, "__name__", "fun")  # JAX's errors name the user's
     mapped = _compat.shard_map_specs_from_trace(
         per_device,
         mesh=mesh,
