@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from .._compat import axis_type_map, is_jax_dtype, is_tracer, traced_sharding
+from .._compat import axis_type_map, is_tracer, traced_sharding
 from .._placement import place
 from .axis_name import check_no_collectives
 from .chunks import (
@@ -24,9 +24,9 @@ from .chunks import (
     _vmapped_body,
     check_mapped_leaves,
     named_in_axes,
-    path_table,
     resolve_axes,
 )
+from .stream_host import check_dtypes
 
 
 def _shard_count(leaf: Any, axis: int, n: int) -> int:
@@ -67,19 +67,6 @@ def _scannable(x: Any) -> Any:
     return place.relayout(x, NamedSharding(sharding.mesh, P(None, *spec[1:])))
 
 
-def _check_dtypes(name: str, paths: list[str], leaves: list[Any]) -> None:
-    """Raises naming every array leaf of a dtype JAX has no arrays of (NumPy strings,
-    objects, ...), before JAX refuses it without a path."""
-    bad = [i for i, x in enumerate(leaves) if eqx.is_array(x) and not is_jax_dtype(x.dtype)]
-    if bad:
-        raise TypeError(
-            f"`{name}` got array arguments whose dtype JAX has no arrays of:\n"
-            + path_table([paths[i] for i in bad], [f"dtype {leaves[i].dtype}" for i in bad])
-            + "\nConvert them to a numeric dtype, or pass them in a static field "
-            "(`eqx.field(static=True)`) or by closure."
-        )
-
-
 def rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
     """The mapped size and how many shards split it (what `batch_size="auto"` searches)."""
     flat = jtu.tree_flatten_with_path(args)[0]
@@ -106,7 +93,7 @@ def run_chunks(
     flat, args_def = jtu.tree_flatten_with_path(args)
     paths = ["args" + jtu.keystr(p) for p, _ in flat]
     leaves = [x for _, x in flat]
-    _check_dtypes(name, paths, leaves)
+    check_dtypes(name, paths, leaves)
     in_axes = named_in_axes(fun, in_axes, args, name)
     axes = resolve_axes(args, in_axes, "in_axes", name)
     ax = {i: a for i, a in enumerate(axes) if a is not None}

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._tree import leaf_table
 
 NAME = "filter_stream"
 
@@ -47,3 +48,20 @@ def streamable(leaf: Any, axis: int) -> bool:
 def shape_of(leaf: Any) -> tuple[int, ...]:
     """The shape of an array, or `(len(leaf),)` for a host sequence of rows."""
     return tuple(leaf.shape) if hasattr(leaf, "shape") else (len(leaf),)
+
+
+def check_dtypes(name: str, paths: list[str], leaves: list[Any]) -> None:
+    """Raises naming every array leaf of a dtype JAX has no arrays of (NumPy strings,
+    objects, ...), before JAX refuses it without a path."""
+    bad = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, np.ndarray | np.generic | jax.Array) and not _compat.is_jax_dtype(x.dtype)
+    ]
+    if bad:
+        raise TypeError(
+            f"`{name}` got array arguments whose dtype JAX has no arrays of:\n"
+            + leaf_table([(paths[i], f"dtype {leaves[i].dtype}") for i in bad])
+            + "\nConvert them to a numeric dtype, or pass them in a static field "
+            "(`eqx.field(static=True)`) or by closure."
+        )

@@ -235,4 +235,12 @@ CASES: list[Case] = [
         TypeError,
         r"dtype JAX has no arrays of:\n  args\[0\]  dtype <U1",
     ),
+    Case(
+        "filter_stream/str-array",
+        lambda: eqxshard.filter_stream(lambda s: s, batch_size=2, progress=False)(
+            np.array(["a", "b", "c"])
+        ),
+        TypeError,
+        r"`filter_stream` got array arguments whose dtype JAX has no arrays of:\n  args\[0\]",
+    ),
 ]
