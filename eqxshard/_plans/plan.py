@@ -13,7 +13,7 @@ from typing import Any, Generic
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, Sharding
+from jax.sharding import AbstractMesh, NamedSharding, Sharding
 from jaxtyping import PyTree
 
 from .._placement import place, resolve
@@ -92,7 +92,7 @@ def _check_devices_known(flat: Flat, shardings: dict[int, Sharding]) -> None:
     rows = [
         (pathstr(flat.paths[i]), f"mesh {s.mesh}")
         for i, s in shardings.items()
-        if isinstance(getattr(s, "mesh", None), AbstractMesh)
+        if isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh)
     ]
     if rows:
         raise ValueError(
