@@ -34,7 +34,8 @@ def rows_from_host(leaf: Any, start: int, stop: int, size: int, sharding: Any) -
         shape = np.shape(np.asarray(leaf[start : start + 1]))
     rows_shape = (size, *tuple(shape)[1:])
 
-    def piece(index: tuple[slice, ...]) -> np.ndarray:
+    def piece(index: Any) -> np.ndarray:  # a tuple of slices (`None`: the whole chunk)
+        index = tuple(index or ())
         lo, hi, _ = (index[0] if index else slice(None)).indices(size)
         first, end = start + lo, min(start + hi, stop)
         part = np.asarray(leaf[first:end] if first < end else leaf[stop - 1 : stop])
