@@ -18,6 +18,7 @@ from .arrays import (
     Tracer as Tracer,
     astype_weak as astype_weak,
     batched_leaves as batched_leaves,
+    device_assignment as device_assignment,
     is_jax_dtype as is_jax_dtype,
     is_prng_key as is_prng_key,
     is_ref as is_ref,

@@ -15,6 +15,12 @@ from .meshes import abstract_mesh_of, context_abstract_mesh
 Tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
 
 
+def device_assignment(sharding: jax.sharding.Sharding) -> tuple[Any, ...]:
+    """The devices of `sharding` in the order `jit` compares them: the committed arguments
+    of one computation must all have this same tuple (and equal the context mesh's)."""
+    return tuple(sharding._device_assignment)  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def is_tracer(x: Any) -> bool:
     """Whether `x` is being traced (by `jit`, `vmap`, `grad`, `eval_shape`, ...).
 

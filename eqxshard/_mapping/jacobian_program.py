@@ -15,7 +15,9 @@ import jax.tree_util as jtu
 from jax.dtypes import float0
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from .. import _compat
 from .._compat import tracing
+from .._placement import committed
 from .basis import one_hots, pushed
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import check_batch_size
@@ -63,6 +65,15 @@ def _check_options(
     return tuple(axes)
 
 
+def _typed_like(v: Any, o: Any) -> Any:
+    """The basis vector `v` typed as the output leaf `o` it is the cotangent of: laid out on
+    the Explicit mesh axes `o`'s type names (`jax.vjp` takes no other type)."""
+    s = _compat.traced_sharding(o)
+    if s is None or s.mesh.empty or AxisType.Explicit not in tuple(s.mesh.axis_types):
+        return v
+    return _compat.reshard_explicit(v, s)
+
+
 def _jacobian(
     fun: Callable,
     diff_x: Any,
@@ -89,7 +100,7 @@ def _jacobian(
         basis, other = out, diff_x
 
         def push(v: Any) -> Any:
-            return vjp_fun(v)[0]
+            return vjp_fun(jtu.tree_map(_typed_like, v, out))[0]
     else:
         if has_aux:
             out, aux = fun(diff_x)  # `aux` once, outside the loop
@@ -174,6 +185,14 @@ class _Jac(eqx.Module):
 
     def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
         all_args = (x, args, kwargs)
+        if self.mesh is not None:
+            # Arrays committed to other devices (one device, another mesh) are moved onto
+            # the mesh whole, where `jit` over it would put uncommitted ones (it refuses
+            # committed ones); traced leaves cannot move and are left to JAX.
+            fun = committed.onto_mesh(self.name, self.fun, self.mesh)
+            if fun is not self.fun:  # `fun`'s own arrays (a model's weights) too
+                return eqx.tree_at(lambda j: j.fun, self, fun)(x, *args, **kwargs)
+            all_args = committed.onto_mesh(self.name, all_args, self.mesh)
         if self.batch_size == "auto":
             assert self.auto is not None
             devices = 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.axes)
