@@ -117,6 +117,21 @@ def astype_weak(x: Any, dtype: Any, weak_type: bool) -> Any:
     return _convert_element_type(x, np.dtype(dtype), weak_type)
 
 
+def with_sharding(x: jax.Array, sharding: Any) -> jax.Array:
+    """The very buffers of `x` under `sharding`, an equivalent layout (the same devices and
+    index per device, e.g. the same mesh with other axis types), keeping `x`'s weak type:
+    no copy. `jax.make_array_from_single_device_arrays` makes every array strongly typed;
+    a weakly typed one is rebuilt with JAX's private constructor."""
+    shards = [shard.data for shard in x.addressable_shards]
+    out = jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+    if not getattr(x, "weak_type", False):
+        return out
+    from jax._src import array
+
+    aval = out.aval.update(weak_type=True)  # pyright: ignore[reportAttributeAccessIssue]
+    return array.ArrayImpl(aval, sharding, out._arrays, committed=True)  # pyright: ignore
+
+
 def tracing() -> bool:
     """Whether a transformation (`jit`, `vmap`, `grad`, ...) is tracing right now.
 

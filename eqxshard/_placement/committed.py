@@ -84,3 +84,29 @@ def check_one_device_set(verb: str, flat: Flat, prefix: str = "") -> None:
             "not committed (NumPy data, `jax.device_put(x)` with no device) are moved by JAX.",
         )
     )
+
+
+def on_mesh(tree: Any, mesh: Mesh) -> Any:
+    """`tree` with each concrete array laid out over a copy of `mesh` (the same devices and
+    axis names, other axis types) given `mesh` itself: the same buffers, no copy. JAX
+    refuses to combine arrays of meshes that differ in axis types ("Mesh for all inputs
+    should be equal"). The very same `tree` if no array needs it."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    out = [_on_mesh(x, mesh) for x in leaves]
+    if all(a is b for a, b in zip(out, leaves, strict=True)):
+        return tree
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _on_mesh(x: Any, mesh: Mesh) -> Any:
+    if not isinstance(x, jax.Array) or _compat.is_tracer(x):
+        return x
+    s = x.sharding
+    if not isinstance(s, NamedSharding) or not isinstance(s.mesh, Mesh) or s.mesh == mesh:
+        return x
+    here = s.mesh.devices
+    if s.mesh.axis_names != mesh.axis_names or here.shape != mesh.devices.shape:
+        return x
+    if (here != mesh.devices).any():
+        return x
+    return _compat.with_sharding(x, NamedSharding(mesh, s.spec, memory_kind=s.memory_kind))
