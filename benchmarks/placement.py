@@ -3,7 +3,9 @@
 The model is 48 `eqx.nn.MLP(64, 64, 64, 4)`: 480 small array leaves, where per-leaf
 Python overhead shows. Everything runs in one process on every device it finds (8 CPU
 devices on a CPU-only machine; `JAX_NUM_CPU_DEVICES=n` for another count), and every
-ratio compares timings from this one run (interleaved, so drift hits every method alike):
+ratio compares timings from this one run (interleaved, so drift hits every method alike;
+a call shorter than 5 ms is timed as several calls back to back per sample, as `timeit`
+picks its loop count):
 
 - (a) replicating the model on an 8-device Auto mesh: the first call (a fresh model after
   `jax.clear_caches()`; `eqx.filter_shard` compiles here) and the steady state (the same
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import math
 import os
 import pstats
 import re
@@ -60,6 +63,7 @@ import eqxshard  # noqa: E402
 N_MLPS = 48
 REPLACE_TARGET = 0.03  # a re-place that moves nothing, against a real transfer
 OWN_TARGET_US = 2.0  # eqxshard's own work (flattening, resolving, checking) per leaf
+MIN_SAMPLE_S = 0.005  # shorter calls are timed several to a sample, back to back
 
 
 def make_model(seed: int = 0) -> list[eqx.nn.MLP]:
@@ -92,18 +96,29 @@ def by_hand(tree: Any, sharding: jax.sharding.Sharding) -> Any:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def timed(fn: Callable[[], Any], *, wait: bool = True) -> float:
-    """Seconds for one call, until every array it returns is ready (with `wait`)."""
+def timed(fn: Callable[[], Any], *, wait: bool = True, calls: int = 1) -> float:
+    """Seconds per call over `calls` calls made back to back, each until every array it
+    returns is ready (with `wait`)."""
     gc.collect()
     gc.disable()
     try:
         start = time.perf_counter()
-        out = fn()
-        if wait:
-            jax.block_until_ready(out)
-        return time.perf_counter() - start
+        for _ in range(calls):
+            out = fn()
+            if wait:
+                jax.block_until_ready(out)
+        return (time.perf_counter() - start) / calls
     finally:
         gc.enable()
+
+
+def calls_per_sample(fn: Callable[[], Any], *, wait: bool = True) -> int:
+    """How many back-to-back calls make one sample last `MIN_SAMPLE_S` (as `timeit` picks
+    its loop count): a single sub-millisecond call after `gc.collect()` times the cold
+    caches that `gc.collect()` leaves, not the call."""
+    fn()  # warm
+    once = timed(fn, wait=wait)
+    return max(1, min(100, math.ceil(MIN_SAMPLE_S / max(once, 1e-9))))
 
 
 def returns_its_input(fn: Callable[[], Any], tree: Any) -> bool:
@@ -118,15 +133,17 @@ def interleaved(
 ) -> dict[str, float]:
     """The median seconds of each call; each repeat runs every call once, in turn.
 
+    A sample is `calls_per_sample` calls back to back (one for calls of 5 ms or more).
     Calls named in `no_wait` return arrays that were ready before the call (see
     `returns_its_input`): waiting on them would time `jax.block_until_ready` (about 2 ms
     for 480 leaves), not the call.
     """
     times: dict[str, list[float]] = {name: [] for name in calls}
     names = list(calls)
+    loops = {name: calls_per_sample(calls[name], wait=name not in no_wait) for name in names}
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(timed(calls[name], wait=name not in no_wait))
+            times[name].append(timed(calls[name], wait=name not in no_wait, calls=loops[name]))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -303,9 +320,11 @@ def main() -> None:
     share = breakdown(lambda: eqxshard.filter_shard(placed, auto), profile_repeats)
     own = {c: share[c] * again["eqxshard"] for c in CATEGORIES}
     leaves, treedef = jax.tree.flatten(on_host)
-    unflatten = statistics.median(
-        timed(lambda: jax.tree.unflatten(treedef, leaves), wait=False) for _ in range(31)
-    )
+    unflatten = interleaved(
+        {"unflatten": lambda: jax.tree.unflatten(treedef, leaves)},
+        31,
+        no_wait=frozenset({"unflatten"}),
+    )["unflatten"]
     steady_own = {**own, "flattening": own["flattening"] + unflatten}
     steady_own["transfer"] = steady_host["eqxshard"] - sum(steady_own.values())
     shares = {

@@ -41,9 +41,7 @@ def evaluate(model: eqx.nn.MLP, point: jax.Array) -> jax.Array:
 
 def temp_mb(fun, model: eqx.nn.MLP, points: jax.Array) -> float:
     """Temporaries of `fun(model, points)` once compiled, by `memory_analysis()`."""
-    params, static = eqx.partition(model, eqx.is_array)
-    jitted = jax.jit(lambda params, points: fun(eqx.combine(params, static), points))
-    compiled = jitted.lower(params, points).compile()
+    compiled = eqxshard.filter_jit(fun).lower(model, points).compile()
     return compiled.memory_analysis().temp_size_in_bytes / 1e6
 
 
@@ -78,7 +76,7 @@ def main() -> None:
             break
 
     # 2. Evaluate with the chunk size that fits, on one device and then on all of them.
-    run = eqx.filter_jit(chunked)
+    run = eqxshard.filter_jit(chunked)
     values = run(model, points).block_until_ready()
     start = time.perf_counter()
     values = run(model, points).block_until_ready()
@@ -88,7 +86,7 @@ def main() -> None:
     mesh = jax.make_mesh((n,), ("points",), axis_types=(AxisType.Explicit,))
     sharded_points = jax.device_put(points, NamedSharding(mesh, P("points")))
     replicated_model = eqxshard.filter_replicate(model, mesh)
-    run_sharded = eqx.filter_jit(chunked)
+    run_sharded = eqxshard.filter_jit(chunked)
     sharded_values = run_sharded(replicated_model, sharded_points).block_until_ready()
     start = time.perf_counter()
     sharded_values = run_sharded(replicated_model, sharded_points).block_until_ready()

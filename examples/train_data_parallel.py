@@ -62,11 +62,15 @@ def main() -> int:
     opt_state = optimiser.init(eqx.filter(model, eqx.is_array))
     opt_state = eqxshard.filter_replicate(opt_state, mesh)
 
-    @eqx.filter_jit
+    # `eqx.filter_jit` plus the step's layouts and donation: the batch split over "data"
+    # (so each device computes the loss and gradient of its own rows), the old model and
+    # state donated (their buffers reused for the new ones), the batch kept.
+    @eqxshard.filter_jit(
+        in_shardings=(None, None, P("data"), P("data")),
+        donate=(True, True, False, False),
+        mesh=mesh,
+    )
     def train_step(model, opt_state, x, y):
-        # Inside jit the same call is a layout constraint: the batch stays split over
-        # "data", so each device computes the loss and gradient of its own rows.
-        x, y = eqxshard.filter_shard((x, y), mesh, P("data"))
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
         updates, opt_state = optimiser.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)

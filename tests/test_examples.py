@@ -91,6 +91,24 @@ def test_transfer_benchmark_quick():
     assert all(" yes" in row for row in rows), output
 
 
+def test_gpu_batch_script_runs_its_parts_and_counts_failures(tmp_path: Path):
+    """`benchmarks/gpu.sh` (for a GPU machine) runs the parts named, each to its own file,
+    and exits with the number that failed (here on the CPU: the versions, and a bad part)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OUT": str(tmp_path), "PYTHON": sys.executable}
+    result = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "versions", "nonsense"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "-- versions: exit 0" in result.stdout
+    assert "unknown part: nonsense" in result.stdout
+    assert re.search(r"\| jax \d+\.\d+", (tmp_path / "versions.txt").read_text())
+
+
 def test_multihost_resume_of_a_finished_run_says_so(tmp_path: Path):
     script = ROOT / "examples" / "train_multihost.py"
     args = ("--steps", "2", "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path))

@@ -378,3 +378,15 @@ def test_explicit_axes_of_one_shard(shape, jit):
     want = eqx.filter_vmap(fun)(x)
     np.testing.assert_allclose(out, want)
     assert out.sharding.is_equivalent_to(want.sharding, out.ndim)
+
+
+def test_committed_devices_past_eight_are_shortened():
+    from types import SimpleNamespace
+
+    from eqxshard._placement import committed
+
+    class Sharding:  # what `_compat.device_assignment` reads
+        _device_assignment = tuple(SimpleNamespace(id=i, platform="tpu") for i in range(16))
+
+    text = committed._devices(Sharding())  # pyright: ignore[reportArgumentType]
+    assert text == "committed to 16 tpu devices [0, 1, 2, 3, ..., 14, 15]"

@@ -281,3 +281,33 @@ def test_sharded_inputs(axis_type, sharded_dim):
     ref = eqx.filter_vmap(f, in_axes=(None, 0))(w, x)
     for batch_size in sizes:
         _assert_same(filter_map(f, batch_size=batch_size, in_axes=(None, 0))(w, x), ref)
+
+
+# ---- committed inputs: JAX refuses arrays committed to different devices ----------------
+
+
+def test_inputs_committed_to_different_devices_are_refused_naming_each():
+    # Refused as `eqx.filter_vmap` refuses them (JAX: "incompatible devices", naming an
+    # argument of an inner `scan`), here before any work, with every committed leaf named.
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P("data")))
+    y = jax.device_put(jnp.arange(16.0), jax.devices()[3])
+
+    def f(x, y):
+        return x * y
+
+    with pytest.raises(ValueError, match="incompatible devices"):
+        eqx.filter_vmap(f)(x, y)
+    for batch_size in (8, "auto"):
+        budget = 2**20 if batch_size == "auto" else None
+        with pytest.raises(
+            ValueError,
+            match=r"`filter_map` got arrays committed to different devices.*\n"
+            r"  args\[0\]  committed to 8 cpu devices \[0, 1, 2, 3, 4, 5, 6, 7\]\n"
+            r"  args\[1\]  committed to cpu device 3\n"
+            r"Put them on the same devices first",
+        ):
+            filter_map(f, batch_size=batch_size, memory_budget=budget)(x, y)
+    # Committed to one and the same device: computed there, as by `eqx.filter_vmap`.
+    z = jax.device_put(jnp.arange(16.0) + 1, jax.devices()[3])
+    _assert_same(filter_map(f, batch_size=4)(z, y), eqx.filter_vmap(f)(z, y))

@@ -352,3 +352,31 @@ def test_nested_maps():
     assert_same(build(filter_shard_map, lambda: mesh)(x), expected)
     with pytest.raises(ValueError, match="context mesh"):
         build(jax.shard_map, lambda: mesh)(x)
+
+
+@pytest.mark.parametrize("axis_names", [None, {"x"}], ids=["all", "partial"])
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_inputs_committed_to_one_device(kind, axis_names):
+    """Deliberate difference: outside `jit`, `jax.shard_map` refuses arrays committed to
+    other devices than the mesh's ("incompatible devices" on Auto axes, a spec mismatch on
+    Explicit ones); eqxshard moves them onto the mesh as their in_specs say (as it lays out
+    every input on Explicit axes), so the result is JAX's on the inputs laid out so."""
+    mesh = mesh2(kind)
+    one = jax.devices()[1]
+    x = jax.device_put(jnp.arange(32.0).reshape(8, 4), one)
+    w = jax.jit(lambda x: x[0] + 1)(x)  # an earlier computation's output, on `one` too
+    axes = ("x", "y") if axis_names is None else ("x",)
+    in_specs, out_specs = (P(*axes), P()), (P(*axes), P())
+
+    def f(x, w):
+        return x * w, jax.lax.psum(jnp.sum(x), axes)
+
+    kwargs: dict[str, Any] = dict(mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    if axis_names is not None:
+        kwargs["axis_names"] = axis_names
+    with pytest.raises(ValueError):
+        jax.shard_map(f, **kwargs)(x, w)
+    pairs = zip((x, w), in_specs, strict=True)
+    laid = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in pairs]
+    assert_same(filter_shard_map(f, **kwargs)(x, w), jax.shard_map(f, **kwargs)(*laid))
+    assert x.sharding.device_set == {one}  # the caller's arrays stay where they were

@@ -1,6 +1,8 @@
 """Staged host-to-device transfers: big NumPy leaves cut into parts and copied through
-pinned host memory. Forced onto CPU devices here (`EQXSHARD_STAGING=on`), where it is
-checked to give bit-for-bit what `jax.device_put` gives, within its staging bound."""
+pinned host memory, checked to give bit-for-bit what `jax.device_put` gives, within the
+staging bound. Each test runs twice: on CPU devices with the path forced on
+(`EQXSHARD_STAGING=on`), and on the GPUs under the default `auto`, where it is the real
+path (skipped without a GPU; on a GPU machine: `JAX_PLATFORMS=cuda,cpu`)."""
 
 import threading
 
@@ -18,14 +20,42 @@ from eqxshard._placement import cache, staging
 STAGING_BYTES = 4096  # parts of 1 KiB; leaves of 128 bytes or more per device are staged
 
 
+def _platform_devices(platform: str) -> list:
+    try:
+        return jax.devices(platform)
+    except RuntimeError:  # that backend is not enabled (JAX_PLATFORMS) or not present
+        return []
+
+
+@pytest.fixture(params=["cpu", "gpu"])
+def devices(request, monkeypatch):
+    """The devices staged onto: 8 CPU devices with staging forced on, or every GPU with
+    the default mode (`auto`), which stages there by itself."""
+    found = _platform_devices(request.param)
+    if not found:
+        pytest.skip("needs a GPU (on a GPU machine: JAX_PLATFORMS=cuda,cpu)")
+    monkeypatch.setenv(staging.MODE_VARIABLE, "on" if request.param == "cpu" else "auto")
+    return found
+
+
+def mesh_of(devices, shape, names):
+    """A mesh of `shape` over `devices`, or as much of it as they allow: each axis shrunk
+    to the largest divisor of its size that fits (so the leaves still split evenly)."""
+    full, left = [], len(devices)
+    for size in shape:
+        fits = max(d for d in range(1, size + 1) if size % d == 0 and d <= left)
+        full.append(fits)
+        left //= fits
+    return make_mesh("auto", full, names, devices=devices[: int(np.prod(full))])
+
+
 @pytest.fixture
-def moves(monkeypatch):
-    """The staging path forced on for CPU devices; records each part moved, and the most
-    bytes staged at once."""
-    monkeypatch.setenv(staging.MODE_VARIABLE, "on")
+def moves(devices, monkeypatch):
+    """Records each part moved, the most bytes staged at once, and whether each part went
+    through pinned host memory."""
     monkeypatch.setenv(staging.BYTES_VARIABLE, str(STAGING_BYTES))
     cache.clear()
-    record = {"parts": [], "in_flight": 0, "most": 0}
+    record = {"parts": [], "in_flight": 0, "most": 0, "pinned": set()}
     lock = threading.Lock()
     real = staging._move
 
@@ -34,6 +64,8 @@ def moves(monkeypatch):
             record["parts"].append(part.nbytes)
             record["in_flight"] += part.nbytes
             record["most"] = max(record["most"], record["in_flight"])
+            kinds = {m.kind for m in device.addressable_memories()}
+            record["pinned"].add("pinned_host" in kinds)
         try:
             return real(device, part)
         finally:
@@ -42,6 +74,12 @@ def moves(monkeypatch):
 
     monkeypatch.setattr(staging, "_move", counted)
     return record
+
+
+def assert_pinned_on_gpus(devices, moves):
+    """On a GPU every part goes through its pinned host memory."""
+    if devices[0].platform == "gpu":
+        assert moves["pinned"] == {True}, moves["pinned"]
 
 
 def assert_identical(out, expected):
@@ -74,16 +112,17 @@ def host_leaves():
     }
 
 
-def test_forced_staging_is_bit_identical_to_device_put(moves):
-    mesh = make_mesh("auto", (8,), ("data",))
+def test_staging_is_bit_identical_to_device_put(devices, moves):
+    mesh = mesh_of(devices, (8,), ("data",))
+    n = mesh.devices.size
     leaves = host_leaves()
     targets = {
         "f32": named(mesh),
         "bf16": named(mesh, "data"),
-        "i8": SingleDeviceSharding(jax.devices()[3]),
+        "i8": SingleDeviceSharding(devices[min(3, len(devices) - 1)]),
         "u16": named(mesh, "data", None),
         "i64": named(mesh),
-        "bool": SingleDeviceSharding(jax.devices()[0]),
+        "bool": SingleDeviceSharding(devices[0]),
         "c64": named(mesh, None, "data"),
         "columns": named(mesh, None, "data"),  # (64, 8) a device: 2 KiB, two parts joined
         "empty": named(mesh),
@@ -91,19 +130,20 @@ def test_forced_staging_is_bit_identical_to_device_put(moves):
         "small": named(mesh),
     }
     names = list(leaves)
-    out = staging.device_put([leaves[n] for n in names], [targets[n] for n in names])
-    expected = jax.device_put([leaves[n] for n in names], [targets[n] for n in names])
+    out = staging.device_put([leaves[k] for k in names], [targets[k] for k in names])
+    expected = jax.device_put([leaves[k] for k in names], [targets[k] for k in names])
     for a, b in zip(out, expected, strict=True):
         assert_identical(a, b)
     # Every big leaf was cut into parts of at most 1 KiB, never more staged at once than
     # the bound; empty, scalar and small leaves went with the plain batched device_put.
-    assert len(moves["parts"]) > 8 * 12
+    assert len(moves["parts"]) > 12 * n
     assert max(moves["parts"]) <= STAGING_BYTES // staging.IN_FLIGHT
     assert moves["most"] <= STAGING_BYTES
+    assert_pinned_on_gpus(devices, moves)
 
 
-def test_staging_through_filter_shard_and_filter_put(moves):
-    mesh = make_mesh("auto", (4, 2), ("data", "model"))
+def test_staging_through_filter_shard_and_filter_put(devices, moves):
+    mesh = mesh_of(devices, (4, 2), ("data", "model"))
     rng = np.random.default_rng(1)
     tree = {
         "layers": [rng.normal(size=(16, 24)).astype(np.float32) for _ in range(40)],
@@ -117,22 +157,25 @@ def test_staging_through_filter_shard_and_filter_put(moves):
         for a, x in zip(jax.tree.leaves(placed), jax.tree.leaves(tree), strict=True):
             if eqx.is_array(x):
                 assert_identical(a, jax.device_put(x, named(mesh, "data", "model")))
-    device = jax.devices()[5]
+    device = devices[min(5, len(devices) - 1)]
     put = filter_put(tree, device)
     for a, x in zip(jax.tree.leaves(put), jax.tree.leaves(tree), strict=True):
         if eqx.is_array(x):
             assert_identical(a, jax.device_put(x, device))
+    assert moves["parts"], "nothing was staged"
     assert moves["most"] <= STAGING_BYTES
+    assert_pinned_on_gpus(devices, moves)
 
 
 @pytest.mark.parametrize("mode", ["auto", "off"])
-def test_not_staged_onto_cpu_unless_forced(moves, monkeypatch, mode):
+def test_staged_only_onto_accelerators_unless_forced(devices, moves, monkeypatch, mode):
     monkeypatch.setenv(staging.MODE_VARIABLE, mode)
-    mesh = make_mesh("auto", (8,), ("data",))
+    mesh = mesh_of(devices, (8,), ("data",))
     x = np.arange(4096, dtype=np.float32)
     (out,) = staging.device_put([x], [named(mesh)])
     assert_identical(out, jax.device_put(x, named(mesh)))
-    assert moves["parts"] == []
+    staged = mode == "auto" and devices[0].platform != "cpu"
+    assert bool(moves["parts"]) == staged, moves["parts"]
 
 
 @pytest.mark.parametrize(
@@ -149,10 +192,10 @@ def test_bad_settings_raise(monkeypatch, variable, value, match):
         filter_shard({"x": np.ones(8)}, jax.devices()[0])
 
 
-def test_restore_reads_to_host_and_stages(moves, monkeypatch, tmp_path):
-    """`filter_restore` onto (forced) staged devices: read as host NumPy, then staged; the
-    same arrays as a restore straight onto the devices."""
-    mesh = make_mesh("auto", (4, 2), ("data", "model"))
+def test_restore_reads_to_host_and_stages(devices, moves, monkeypatch, tmp_path):
+    """`filter_restore` onto staged devices: read as host NumPy, then staged; the same
+    arrays as a restore straight onto the devices."""
+    mesh = mesh_of(devices, (4, 2), ("data", "model"))
     rng = np.random.default_rng(2)
     tree = {
         "w": rng.normal(size=(64, 48)).astype(np.float32),
@@ -164,6 +207,7 @@ def test_restore_reads_to_host_and_stages(moves, monkeypatch, tmp_path):
     staged = filter_restore(tmp_path, tree, mesh, P("data"))
     assert moves["parts"], "nothing was staged"
     assert moves["most"] <= STAGING_BYTES
+    assert_pinned_on_gpus(devices, moves)
     monkeypatch.setenv(staging.MODE_VARIABLE, "off")
     direct = filter_restore(tmp_path, tree, mesh, P("data"))
     assert staged["step"] == 7

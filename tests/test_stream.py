@@ -280,3 +280,43 @@ def test_unhashable_static_still_works():
     stream = filter_stream(lambda x, u: x * u.k, batch_size=4, progress=False)
     np.testing.assert_array_equal(stream(np.arange(6.0), Unhashable(2)), 2 * np.arange(6.0))
     np.testing.assert_array_equal(stream(np.arange(6.0), Unhashable(3)), 3 * np.arange(6.0))
+
+
+class RecordedRows:
+    """An h5py-like dataset: `shape`, `dtype` and row slicing, recording each read."""
+
+    def __init__(self, data: np.ndarray):
+        self.data, self.shape, self.dtype = data, data.shape, data.dtype
+        self.reads: list[tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(len(self.data))
+        self.reads.append((start, stop))
+        return self.data[rows]
+
+
+@pytest.mark.parametrize(("start", "stop"), [(0, 8), (16, 21), (24, 25)])
+@pytest.mark.parametrize("spec", [P("data"), P(("data", "model"))])
+def test_rows_from_host_reads_only_each_devices_rows(start, stop, spec):
+    """The path a mesh over several processes takes (each process fills its own devices):
+    the same array as `device_put` of the padded chunk, and every read is one device's."""
+    from eqxshard._mapping.stream_host import host_chunk, rows_from_host
+
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    data = np.arange(25 * 3, dtype=np.float32).reshape(25, 3)
+    leaf = RecordedRows(data)
+    sharding = NamedSharding(mesh, spec)
+    out = rows_from_host(leaf, start, stop, 8, sharding)
+    expected = jax.device_put(host_chunk(data, start, stop, 8), sharding)
+    assert out.sharding == expected.sharding and out.dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(expected))
+    indices = sharding.addressable_devices_indices_map((8, 3)).values()
+    held = {(start + (i[0].start or 0), start + (i[0].stop or 8)) for i in indices if i}
+    pad_read = (stop - 1, stop)  # the last row, repeated where a device's rows pass it
+    for read in leaf.reads:
+        inside = any(a <= read[0] and read[1] <= min(b, stop) for a, b in held)
+        assert inside or read == pad_read, (read, held)
+    assert len(leaf.reads) >= len(held)

@@ -18,6 +18,7 @@ from .arrays import (
     Tracer as Tracer,
     astype_weak as astype_weak,
     batched_leaves as batched_leaves,
+    device_assignment as device_assignment,
     is_jax_dtype as is_jax_dtype,
     is_prng_key as is_prng_key,
     is_ref as is_ref,
@@ -29,6 +30,7 @@ from .arrays import (
     traced_memory_space as traced_memory_space,
     traced_sharding as traced_sharding,
     tracing as tracing,
+    with_sharding as with_sharding,
 )
 from .compile import compile_stablehlo as compile_stablehlo
 from .equinox_errors import equinox_runtime_error as equinox_runtime_error

@@ -15,6 +15,12 @@ from .meshes import abstract_mesh_of, context_abstract_mesh
 Tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
 
 
+def device_assignment(sharding: jax.sharding.Sharding) -> tuple[Any, ...]:
+    """The devices of `sharding` in the order `jit` compares them: the committed arguments
+    of one computation must all have this same tuple (and equal the context mesh's)."""
+    return tuple(sharding._device_assignment)  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def is_tracer(x: Any) -> bool:
     """Whether `x` is being traced (by `jit`, `vmap`, `grad`, `eval_shape`, ...).
 
@@ -109,6 +115,21 @@ def astype_weak(x: Any, dtype: Any, weak_type: bool) -> Any:
     except ImportError:  # pragma: no cover - a JAX that moved it
         return jax.lax.convert_element_type(x, dtype)
     return _convert_element_type(x, np.dtype(dtype), weak_type)
+
+
+def with_sharding(x: jax.Array, sharding: Any) -> jax.Array:
+    """The very buffers of `x` under `sharding`, an equivalent layout (the same devices and
+    index per device, e.g. the same mesh with other axis types), keeping `x`'s weak type:
+    no copy. `jax.make_array_from_single_device_arrays` makes every array strongly typed;
+    a weakly typed one is rebuilt with JAX's private constructor."""
+    shards = [shard.data for shard in x.addressable_shards]
+    out = jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
+    if not getattr(x, "weak_type", False):
+        return out
+    from jax._src import array
+
+    aval = out.aval.update(weak_type=True)  # pyright: ignore[reportAttributeAccessIssue]
+    return array.ArrayImpl(aval, sharding, out._arrays, committed=True)  # pyright: ignore
 
 
 def tracing() -> bool:

@@ -51,7 +51,9 @@ def filter_jacrev(
         its first dimension that the number of devices divides, each device computes its
         own block of the Jacobian, and the result stays split along that dimension (no
         collectives; a leaf with no such dimension is cut flat and padded, and laying it
-        out may take some). `None`: no splitting.
+        out may take some). Outside `jit`, arrays committed to other devices (one device,
+        another mesh) are first moved onto the mesh whole, where `jit` puts uncommitted
+        ones. `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -134,7 +136,9 @@ def filter_jacfwd(
         its first dimension that the number of devices divides, each device computes its
         own block of the Jacobian, and the result stays split along that dimension (no
         collectives; a leaf with no such dimension is cut flat and padded, and laying it
-        out may take some). `None`: no splitting.
+        out may take some). Outside `jit`, arrays committed to other devices (one device,
+        another mesh) are first moved onto the mesh whole, where `jit` puts uncommitted
+        ones. `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -216,7 +220,9 @@ def filter_hessian(
         its first dimension that the number of devices divides, each device computes its
         own block of the Jacobian, and the result stays split along that dimension (no
         collectives; a leaf with no such dimension is cut flat and padded, and laying it
-        out may take some). `None`: no splitting.
+        out may take some). Outside `jit`, arrays committed to other devices (one device,
+        another mesh) are first moved onto the mesh whole, where `jit` puts uncommitted
+        ones. `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**

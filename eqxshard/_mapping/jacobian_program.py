@@ -15,7 +15,9 @@ import jax.tree_util as jtu
 from jax.dtypes import float0
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from .. import _compat
 from .._compat import tracing
+from .._placement import committed
 from .basis import one_hots, pushed
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import check_batch_size
@@ -63,6 +65,15 @@ def _check_options(
     return tuple(axes)
 
 
+def _typed_like(v: Any, o: Any) -> Any:
+    """The basis vector `v` typed as the output leaf `o` it is the cotangent of: laid out on
+    the Explicit mesh axes `o`'s type names (`jax.vjp` takes no other type)."""
+    s = _compat.traced_sharding(o)
+    if s is None or s.mesh.empty or AxisType.Explicit not in tuple(s.mesh.axis_types):
+        return v
+    return _compat.reshard_explicit(v, s)
+
+
 def _jacobian(
     fun: Callable,
     diff_x: Any,
@@ -89,7 +100,7 @@ def _jacobian(
         basis, other = out, diff_x
 
         def push(v: Any) -> Any:
-            return vjp_fun(v)[0]
+            return vjp_fun(jtu.tree_map(_typed_like, v, out))[0]
     else:
         if has_aux:
             out, aux = fun(diff_x)  # `aux` once, outside the loop
@@ -116,8 +127,7 @@ def _jacobian(
     if mesh is not None:
         # On an Auto copy of the mesh: JAX's sharding types (Explicit axes) do not pass
         # through differentiated functions.
-        auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
-        split = NamedSharding(auto, P(axes))
+        split = NamedSharding(_auto_copy(mesh), P(axes))
     shapes = [tuple(b.shape) for b in basis_leaves]
     # For each basis leaf, a tree of the structure of `other` of its blocks. Reverse mode:
     # out-leaf (basis) shape first, then the in-leaf shape; forward mode: the out-leaf shape
@@ -173,7 +183,30 @@ class _Jac(eqx.Module):
     programs: Programs  # the chunked program, compiled once per shapes for eager calls
 
     def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
-        all_args = (x, args, kwargs)
+        all_args, me = (x, args, kwargs), self
+        eager = self.mesh is not None and not tracing()
+        if eager:
+            assert self.mesh is not None
+            # Arrays committed to other devices (one device, another mesh) are moved onto
+            # the mesh whole, where `jit` over it would put uncommitted ones (it refuses
+            # committed ones); traced leaves cannot move and are left to JAX. Then all run
+            # on an Auto copy of the mesh (sharding types on Explicit axes do not pass
+            # through differentiation): arrays on the mesh are handed over with no copy,
+            # `fun`'s own arrays (a model's weights) too, and the results handed back.
+            auto = _auto_copy(self.mesh)
+            fun = committed.onto_mesh(self.name, self.fun, self.mesh)
+            fun = committed.on_mesh(fun, auto)
+            if fun is not self.fun:
+                me = eqx.tree_at(lambda j: j.fun, self, fun)
+            all_args = committed.onto_mesh(self.name, all_args, self.mesh)
+            all_args = committed.on_mesh(all_args, auto)
+        jac, aux = me._jacobian_at(all_args)
+        if eager:
+            assert self.mesh is not None
+            jac, aux = committed.on_mesh((jac, aux), self.mesh)
+        return (jac, aux) if self.has_aux else jac
+
+    def _jacobian_at(self, all_args: Any) -> tuple[Any, Any]:
         if self.batch_size == "auto":
             assert self.auto is not None
             devices = 1 if self.mesh is None else math.prod(self.mesh.shape[a] for a in self.axes)
@@ -189,10 +222,14 @@ class _Jac(eqx.Module):
             batch_size = self.batch_size
         assert not isinstance(batch_size, str)
         if (batch_size is None and self.mesh is None) or tracing():
-            jac, aux = _run(self, batch_size, all_args)  # inlined in what is being traced
-        else:  # eager: one compiled program per statics and shapes, as `eqx.filter_jit`
-            jac, aux = self.programs(self, batch_size, all_args)
-        return (jac, aux) if self.has_aux else jac
+            return _run(self, batch_size, all_args)  # inlined in what is being traced
+        # Eager: one compiled program per statics and shapes, as `eqx.filter_jit`.
+        return self.programs(self, batch_size, all_args)
+
+
+def _auto_copy(mesh: Mesh) -> Mesh:
+    """`mesh` with every axis Auto (the same devices and names)."""
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * mesh.devices.ndim)
 
 
 def _basis_size(fun: Callable, rev: bool, has_aux: bool, all_args: Any) -> int:

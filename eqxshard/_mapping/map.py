@@ -9,7 +9,8 @@ from typing import Any, overload
 
 import equinox as eqx
 
-from .._tree import Params, T
+from .._placement import committed
+from .._tree import Flat, Params, T
 from .axis_name import check_axis_name_size
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import (
@@ -143,7 +144,9 @@ def filter_map(
         every mapped leaf; if `axis_size` is negative or differs from that size; if
         `out_axes` is `None` for outputs that vary with the rows, naming each; if `fun`
         uses a collective over `axis_name` and the map runs in more than one chunk; if
-        `fun`'s non-array outputs differ between the full chunks and the remainder.
+        `fun`'s non-array outputs differ between the full chunks and the remainder; if
+        array arguments are committed to different devices (as `eqx.filter_vmap`, which
+        JAX refuses), naming each.
 
     !!! Example
 
@@ -222,6 +225,9 @@ class _MapWrapper(eqx.Module):
                 f"keyword arguments {sorted(kwargs)}. Pass them positionally (and give them "
                 "`in_axes=None` to broadcast them)."
             )
+        # As `eqx.filter_vmap`, arrays committed to different devices are refused (by JAX);
+        # here before any work, naming each of them.
+        committed.check_one_device_set("filter_map", Flat(args), prefix="args")
         fun, in_axes, out_axes = self._fun, self._in_axes, self._out_axes
         options = (self._axis_name, self._axis_size, self._remat, "filter_map")
         if self._auto is None:

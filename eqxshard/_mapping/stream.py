@@ -21,7 +21,7 @@ from .chunks import (
     named_in_axes,
     resolve_axes,
 )
-from .stream_host import NAME, check_dtypes, host_chunk, output_to_host
+from .stream_host import NAME, check_dtypes, host_chunk, output_to_host, rows_from_host
 from .stream_step import Step, compiled_step
 
 
@@ -84,12 +84,11 @@ def _run(
 
     def put(j: int) -> list[Any]:
         start, stop = j * batch_size, min(n, (j + 1) * batch_size)
-        chunks = [host_chunk(x, start, stop, batch_size) for x in streamed]
         if rows is not None and not rows.is_fully_addressable:
-            # A mesh over several processes: each fills its own devices from its own copy
-            # of the chunk (`device_put` would compare the whole chunk across processes).
-            return [_from_host(c, rows) for c in chunks]
-        return jax.device_put(chunks, rows)
+            # A mesh over several processes: each reads and fills only its own devices'
+            # rows (`device_put` would compare the whole chunk across processes).
+            return [rows_from_host(x, start, stop, batch_size, rows) for x in streamed]
+        return jax.device_put([host_chunk(x, start, stop, batch_size) for x in streamed], rows)
 
     def compiled(chunk: list[Any]) -> Step:
         return compiled_step(cache, fun, args_def, static, idx, const_idx, out_axes, chunk, consts)
@@ -199,9 +198,10 @@ def filter_stream(
     It runs outside `jax.jit`. Results equal `eqx.filter_vmap(fun, in_axes=in_axes,
     out_axes=out_axes)(*args)`, copied to the host.
 
-    With a `mesh` over several processes, call it on every process with the same data:
-    each process fills only its own devices from its copy of each chunk (no chunk is
-    compared or gathered across hosts), and every process gets all the results.
+    With a `mesh` over several processes, call it on every process with the same data
+    (e.g. the same h5py file opened on each): each process reads only the rows of each
+    chunk that its own devices hold (no chunk is read whole, compared or gathered
+    across hosts), and every process gets all the results.
 
     **Arguments:**
 
@@ -304,8 +304,3 @@ def _auto_tqdm() -> type[tqdm.tqdm]:
     from tqdm.auto import tqdm as auto_tqdm
 
     return auto_tqdm
-
-
-def _from_host(chunk: Any, sharding: Any) -> jax.Array:
-    data = np.asarray(chunk)
-    return jax.make_array_from_callback(data.shape, sharding, lambda index: data[index])

@@ -26,6 +26,28 @@ def host_chunk(leaf: Any, start: int, stop: int, size: int) -> Any:
     return chunk
 
 
+def rows_from_host(leaf: Any, start: int, stop: int, size: int, sharding: Any) -> jax.Array:
+    """`host_chunk(leaf, start, stop, size)` laid out as `sharding`, reading from `leaf`
+    only the rows this process's devices hold (with a mesh over several processes, no
+    process reads the others' rows of an h5py/zarr dataset or `np.memmap`)."""
+    shape = getattr(leaf, "shape", None)
+    if shape is None:  # an indexable without a shape: its first row tells the rest
+        shape = np.shape(np.asarray(leaf[start : start + 1]))
+    rows_shape = (size, *tuple(shape)[1:])
+
+    def piece(index: Any) -> np.ndarray:  # a tuple of slices (`None`: the whole chunk)
+        index = tuple(index or ())
+        lo, hi, _ = (index[0] if index else slice(None)).indices(size)
+        first, end = start + lo, min(start + hi, stop)
+        part = np.asarray(leaf[first:end] if first < end else leaf[stop - 1 : stop])
+        have = max(end - first, 0)
+        if have < hi - lo:  # rows past the data repeat the chunk's last, as `host_chunk`'s
+            part = np.concatenate([part[:have], np.repeat(part[-1:], hi - lo - have, axis=0)])
+        return part[(slice(None), *index[1:])]
+
+    return jax.make_array_from_callback(rows_shape, sharding, piece)
+
+
 def output_to_host(x: jax.Array) -> Any:
     """An output chunk as NumPy (PRNG keys, which NumPy cannot hold, as they are:
     `jax.device_get`)."""

@@ -58,9 +58,7 @@ def dotted_path(path: Path) -> str:
             parts.append(key.name)
         elif isinstance(key, jax.tree_util.SequenceKey):
             parts.append(str(key.idx))
-        elif isinstance(key, jax.tree_util.DictKey):
-            parts.append(str(key.key))
-        elif isinstance(key, jax.tree_util.FlattenedIndexKey):
+        elif isinstance(key, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
             parts.append(str(key.key))
         else:
             parts.append(str(key))
@@ -209,6 +207,7 @@ class PathRules(Rule):
 def path_rules(
     rules: Sequence[tuple[str | re.Pattern, PartitionSpec | None]]
     | Mapping[str, PartitionSpec | None]
+    | Mapping[re.Pattern, PartitionSpec | None]
     | Mapping[str | re.Pattern, PartitionSpec | None],
 ) -> PathRules:
     """A rule that gives each leaf the spec of the first pattern its path matches.

@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from jaxtyping import PyTree
 
 from .. import _compat
-from .._placement import place
+from .._placement import committed, place
 from .._placement.specs import check_specs
 from .._tree import Flat, leaf_error, pathstr
 from .specs import _check_out_specs, _check_spec_values, _specs_per_leaf, scalars_as_arrays
@@ -162,6 +162,17 @@ def _call(
         }
         placed = place.place(_VERB, flat, shardings)
         flat = Flat(flat.rebuild(placed), is_array=_is_argument)
+    else:
+        # `jit` over the mesh refuses arrays committed to other devices (one device, another
+        # mesh): outside `jit` they are moved onto it as their in_specs say.
+        shardings = {
+            i: NamedSharding(mesh, specs[i])
+            for i in committed.elsewhere(flat, mesh)
+            if not _compat.spec_reductions(specs[i])
+        }
+        if shardings:
+            placed = place.place(_VERB, flat, shardings)
+            flat = Flat(flat.rebuild(placed), is_array=_is_argument)
     indices = flat.array_indices
     out_flat: list[Flat] = []
 
@@ -243,7 +254,9 @@ def filter_shard_map(
         (default): every mesh axis that no enclosing `jax.vmap` has taken for its batch
         dim (as `jax.shard_map`). On Explicit axes, when every such axis is mapped,
         array inputs are first laid out as `in_specs` say (`jax.shard_map` requires it);
-        a mutable array cannot be copied, so it must already be laid out so.
+        a mutable array cannot be copied, so it must already be laid out so. Outside
+        `jit`, an array committed to other devices (one device, another mesh) is moved
+        onto the mesh as its in_spec says (`jax.shard_map` raises there).
     - `check_vma`: `jax.shard_map`'s check that outputs said to be equal across devices
         are (and the matching autodiff optimisations). Default `True`.
 

@@ -131,6 +131,46 @@ def stream_sends_chunks_without_gathering_them(process: int, workdir: Path) -> N
     check(all(n < chunk for n in GATHERED), f"a chunk's worth was gathered: {GATHERED}")
 
 
+class RecordedRows:
+    """An h5py-like dataset (`shape`, `dtype`, row slicing) that records the rows read."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data, self.shape, self.dtype = data, data.shape, data.dtype
+        self.reads: list[tuple[int, int]] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        start, stop, _ = rows.indices(len(self.data))
+        self.reads.append((start, stop))
+        return self.data[rows]
+
+
+@scenario
+def stream_reads_only_this_hosts_rows(process: int, workdir: Path) -> None:
+    """A dataset every process opens (h5py, zarr, `np.memmap`): each reads only the rows
+    of each chunk its own devices hold, never the other host's."""
+    every = np.concatenate([np.load(workdir / f"rows-{p}.npy") for p in range(2)])
+    dataset = RecordedRows(every)
+    size = jax.device_count()  # 8 rows a chunk: 4 for each process's 4 devices
+    sums = eqxshard.filter_stream(
+        lambda x: x.sum(), batch_size=size, mesh=mesh(), in_axes=0, progress=False
+    )(dataset)
+    check(np.allclose(sums, every.sum(axis=1), rtol=1e-5), "wrong results")
+    mine = {d.id for d in jax.local_devices()}
+    order = [d.id for d in mesh().devices.flat]
+    own = [i for i, d in enumerate(order) if d in mine]  # this host's row of each chunk
+    for start, stop in dataset.reads:
+        chunk, first = divmod(start, size)
+        rows = range(first, first + (stop - start))
+        check(
+            all(r in own for r in rows),
+            f"read rows {start}:{stop} of chunk {chunk}; this host holds {own} of each",
+        )
+    check(len(dataset.reads) > 0, "nothing was read")
+
+
 if __name__ == "__main__":
     process, rest = join(sys.argv)
     run_scenarios(SCENARIOS, process, Path(rest[0]))

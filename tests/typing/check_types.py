@@ -54,8 +54,13 @@ def check_types(mesh: jax.sharding.Mesh) -> None:
     # path_rules takes a dict keyed by strings, by compiled patterns, or by both.
     by_string: dict[str, P | None] = {r".*bias": None, r".*": P()}
     either: dict[str | re.Pattern[str], P | None] = {re.compile(r".*"): P()}
+    by_pattern: dict[re.Pattern[str], P] = {re.compile(r".*"): P()}
+    by_bare_pattern: dict[re.Pattern, P | None] = {re.compile(r".*"): None}
     eqxshard.path_rules(by_string)
     eqxshard.path_rules(either)
+    eqxshard.path_rules(by_pattern)
+    eqxshard.path_rules(by_bare_pattern)
+    eqxshard.path_rules([(re.compile(r".*"), P())])
     eqxshard.path_rules({re.compile(r".*"): P()})
     eqxshard.path_rules({re.compile(r".*bias"): None, r".*": P()})
 
