@@ -429,6 +429,10 @@ def test_error_spec_on_non_array_input():
         lambda t: t["x"], mesh=mesh1(), in_specs=({"x": P("i"), "n": P("i")},), out_specs=P("i")
     )
     with pytest.raises(ValueError, match=r"(?s)`in_specs` for leaves that are not arrays.*\['n'\]"):
+        g({"x": jnp.ones(8), "n": "tag"})
+    # A Python scalar with a spec of its own is an array, as in `jax.shard_map`: here a 0-d
+    # one that P("i") cannot split.
+    with pytest.raises(ValueError, match=r"(?s)more entries than their leaves have dims.*\['n'\]"):
         g({"x": jnp.ones(8), "n": 3})
 
 

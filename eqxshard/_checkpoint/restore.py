@@ -97,6 +97,7 @@ def filter_restore(
 
     - `ImportError`: if `orbax-checkpoint` is not installed.
     - `FileNotFoundError`: if `directory` holds no checkpoint, or not `step`.
+    - `ValueError`: if `directory` is empty.
     - `ValueError`: if `step` is damaged (metadata or array data missing or unreadable),
         naming what is and the newest good step before it. With `step=None` damaged steps
         are skipped (with a warning), as by `latest_step`.

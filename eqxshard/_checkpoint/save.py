@@ -93,9 +93,9 @@ def filter_save(
     - `ImportError`: if `orbax-checkpoint` is not installed.
     - `TypeError`: if `directory`, `step`, `max_to_keep` or `wait` has the wrong type,
         or a leaf is traced (`filter_save` called inside `jit`, `vmap` or `grad`).
-    - `ValueError`: if `step` < 0, `max_to_keep` < 1, `step` is already saved in
-        `directory`, two leaves share a dotted path, `tree` has no array leaf, or a leaf
-        has a zero-size dimension.
+    - `ValueError`: if `directory` is empty, `step` < 0, `max_to_keep` < 1, `step` is
+        already saved in `directory`, two leaves share a dotted path, `tree` has no array
+        leaf, or a leaf has a zero-size dimension.
     - `NotADirectoryError`: if `directory` or a folder above it is a file.
     - Any error of the write itself (e.g. `OSError` on a full disk).
 
@@ -205,6 +205,7 @@ def latest_step(directory: str | os.PathLike) -> int | None:
 
     - `ImportError`: if `orbax-checkpoint` is not installed.
     - `TypeError`: if `directory` is not a `str` or `os.PathLike`.
+    - `ValueError`: if `directory` is empty.
     """
     ocp = _orbax("latest_step")
     steps = _steps(ocp, _directory(directory, "latest_step"))

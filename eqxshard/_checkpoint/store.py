@@ -40,6 +40,11 @@ def _directory(directory: Any, verb: str) -> str:
             f"{type(directory).__name__}."
         )
     directory = os.fspath(directory)
+    if not directory:
+        raise ValueError(
+            f'`{verb}` got an empty `directory`. Pass the checkpoint directory\'s path ("." '
+            "for the current directory)."
+        )
     # orbax wants absolute paths; URLs (`gs://...`) are left as they are.
     return directory if "://" in directory else os.path.abspath(directory)
 

@@ -168,6 +168,7 @@ def shard_map_specs_from_trace(
         out_specs[:] = specs
         return list(outs)
 
+    body.__name__ = body.__qualname__ = getattr(f, "__name__", "body")  # for JAX's errors
     return jax.shard_map(
         body,
         mesh=mesh,

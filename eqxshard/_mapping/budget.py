@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 
 from .._compat import batched_leaves, is_tracer
 from .programs import static_key
@@ -22,15 +25,16 @@ def check_memory_budget(memory_budget: Any, batch_size: Any, name: str) -> None:
     """Raises if `memory_budget` is not `None` or a positive int, or is given without "auto"."""
     if memory_budget is None:
         return
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float):
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float | np.number):
         raise TypeError(
             f"`{name}(memory_budget=...)` must be `None` or a number of bytes per device, "
             f"got {memory_budget!r} of type {type(memory_budget).__name__}. "
             "Pass e.g. `memory_budget=2**30` for 1 GiB."
         )
-    if not memory_budget > 0:
+    if not 0 < memory_budget < math.inf:
         raise ValueError(
-            f"`{name}(memory_budget=...)` must be > 0 bytes, got {memory_budget}. "
+            f"`{name}(memory_budget=...)` must be a finite number > 0 of bytes, got "
+            f"{memory_budget}. "
             "Pass e.g. `memory_budget=2**30` for 1 GiB."
         )
     if batch_size != "auto":
@@ -76,7 +80,9 @@ def _abstract(x: Any) -> Any:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         sharding = None
     # NumPy's float64 is float32 to JAX without x64: canonical, as `jit` would make it.
-    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    # (PRNG keys and other extended dtypes are canonical already.)
+    extended = jnp.issubdtype(x.dtype, jax.dtypes.extended)
+    dtype = x.dtype if extended else jax.dtypes.canonicalize_dtype(x.dtype)
     return jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding)
 
 

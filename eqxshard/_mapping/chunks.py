@@ -9,13 +9,16 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
 from .._tree import leaf_table
+from .stream_host import shape_of, streamable
 
 _Axis = int | None
 IF_ARRAY_0 = eqx.if_array(0)  # the default of `in_axes`/`out_axes`, as in `filter_vmap`
+_SCALARS = (bool, int, float, complex, np.number, np.bool_)
 
 
 def _is_none(x: Any) -> bool:
@@ -146,7 +149,7 @@ def check_mapped_leaves(
     `host=True` (`filter_stream`) also maps host objects that support `len(x)` and
     slicing along axis 0 (rows read a chunk at a time), not only arrays."""
     if host:
-        bad = [i for i, a in axes.items() if not _streamable(leaves[i], a)]
+        bad = [i for i, a in axes.items() if not streamable(leaves[i], a)]
         rows = [f"{type(leaves[i]).__name__}  in_axes {axes[i]}" for i in bad]
         fix = "\nConvert them with `np.asarray`, or give them `in_axes=None` to broadcast them."
         header = (
@@ -161,7 +164,7 @@ def check_mapped_leaves(
         header = f"`{name}` can only map over arrays, but `in_axes` maps these non-array leaves:\n"
     if bad:
         raise TypeError(header + path_table([paths[i] for i in bad], rows) + fix)
-    shapes = {i: tuple(getattr(leaves[i], "shape", (len(leaves[i]),))) for i in axes}
+    shapes = {i: shape_of(leaves[i]) for i in axes}
     check_axes_in_range(
         name,
         paths,
@@ -182,15 +185,6 @@ def check_mapped_leaves(
         row = lambda i: f"shape {shapes[i]}  axis {axes[i]}  size {sizes[i]}"
         fix = "Slice or pad them to one size, or broadcast some with `in_axes=None`."
     return check_same_size(name, paths, sizes, what, row, fix)
-
-
-def _streamable(leaf: Any, axis: int) -> bool:
-    """A host object `filter_stream` can cut rows of along `axis`."""
-    if not hasattr(leaf, "__getitem__"):
-        return False
-    if not (hasattr(leaf, "shape") or hasattr(leaf, "__len__")):
-        return False
-    return axis == 0 or isinstance(leaf, np.ndarray | jax.Array)
 
 
 class _Trace:
@@ -235,6 +229,11 @@ def _vmapped_body(
         flat_out = jtu.tree_flatten_with_path(out)[0]
         out_paths, out_leaves = [p for p, _ in flat_out], [x for _, x in flat_out]
         axes = resolve_axes(out, out_axes, "out_axes", name)
+        # A Python or NumPy scalar with an int `out_axes` is broadcast, as by `jax.vmap`.
+        out_leaves = [
+            jnp.asarray(x) if a is not None and isinstance(x, _SCALARS) else x
+            for x, a in zip(out_leaves, axes, strict=True)
+        ]
         bad = [
             i
             for i, (x, a) in enumerate(zip(out_leaves, axes, strict=True))

@@ -239,7 +239,7 @@ def _basis_size(fun: Callable, rev: bool, has_aux: bool, all_args: Any) -> int:
         return sum(x.size for x in jtu.tree_leaves(eqx.filter(x, eqx.is_inexact_array)))
     out = eqx.filter_eval_shape(fun, x, *args, **kwargs)
     out = out[0] if has_aux else out
-    return sum(math.prod(o.shape) for o in jtu.tree_leaves(out))
+    return sum(math.prod(getattr(o, "shape", ())) for o in jtu.tree_leaves(out))
 
 
 def _make(

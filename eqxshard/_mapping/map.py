@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools as ft
 from collections.abc import Callable, Hashable
 from typing import Any, overload
+
+import equinox as eqx
 
 from .._placement import committed
 from .._tree import Flat, Params, T
@@ -98,7 +101,8 @@ def filter_map(
         - a callable `leaf -> int | None`, e.g. the default `eqx.if_array(0)`.
     - `out_axes`: where the mapped axis goes in each output, a prefix PyTree of the
         output with the same three forms. `None` outputs must not depend on the mapped
-        rows.
+        rows. A Python or NumPy scalar output given an int is broadcast along the mapped
+        axis (as `jax.vmap` does).
     - `axis_name`: a hashable name for the mapped axis, for collectives (`jax.lax.psum`,
         `jax.lax.axis_index`, ...) inside `fun`. A collective over the mapped axis needs
         all rows in one `vmap`, so it is only allowed when the map runs in one chunk
@@ -119,7 +123,9 @@ def filter_map(
 
     **Returns:**
 
-    The mapped function (or, with `fun` left out, a decorator that makes it).
+    The mapped function (or, with `fun` left out, a decorator that makes it). Like
+    `eqx.filter_vmap`'s, it is a Module whose leaves are those of `fun`: a mapped Module
+    stored in another Module is trained with it.
 
     **Raises:**
 
@@ -127,8 +133,9 @@ def filter_map(
         `"auto"`; if `memory_budget` is not a number; if `in_axes`/`out_axes` hold
         something else than `None`, ints and callables; if `in_axes` is a dict and `fun`'s
         signature cannot be read; if a non-array leaf is mapped; if `axis_name` is not
-        hashable or `axis_size` not an int; if keyword arguments are passed to the mapped
-        function.
+        hashable, `axis_size` not an int or `remat` not a bool; if an array leaf has a dtype
+        JAX has no arrays of (strings, objects); if keyword arguments are passed to the
+        mapped function.
     - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
         `batch_size="auto"`; with `"auto"`, if no budget is known or one row per shard
         does not fit it; if `in_axes`/`out_axes` is not a prefix of the
@@ -171,6 +178,8 @@ def filter_map(
     check_batch_size(batch_size, "filter_map", allow_auto=True)
     check_memory_budget(memory_budget, batch_size, "filter_map")
     check_axis_name_size(axis_name, axis_size, "filter_map")
+    if not isinstance(remat, bool):
+        raise TypeError(f"`filter_map(remat=...)` must be a bool, got {type(remat).__name__}.")
     if fun is None:
         return ft.partial(
             filter_map,
@@ -186,8 +195,30 @@ def filter_map(
     if not callable(fun):
         raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")
 
-    @ft.wraps(fun)
-    def mapped(*args: Any, **kwargs: Any) -> Any:
+    return eqx.module_update_wrapper(
+        _MapWrapper(fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, auto)
+    )
+
+
+class _MapWrapper(eqx.Module):
+    """What `filter_map(fun)` returns: a PyTree (as `eqx.filter_vmap`'s wrapper is), so a
+    mapped Module stored in another Module, or passed through `eqx.filter_jit`, keeps its
+    arrays as leaves that are traced and differentiated rather than baked in."""
+
+    _fun: Callable
+    _batch_size: int | str | None
+    _in_axes: Any
+    _out_axes: Any
+    _axis_name: Hashable
+    _axis_size: int | None
+    _remat: bool
+    _auto: AutoBatchSize | None
+
+    @property
+    def __wrapped__(self) -> Callable:
+        return self._fun
+
+    def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             raise TypeError(
                 f"a function wrapped by `filter_map` takes positional arguments only, got "
@@ -197,19 +228,28 @@ def filter_map(
         # As `eqx.filter_vmap`, arrays committed to different devices are refused (by JAX);
         # here before any work, naming each of them.
         committed.check_one_device_set("filter_map", Flat(args), prefix="args")
-        if auto is None:
-            assert not isinstance(batch_size, str)  # only "auto", checked above
-            return run_chunks(
-                fun, batch_size, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", args
-            )
+        fun, in_axes, out_axes = self._fun, self._in_axes, self._out_axes
+        options = (self._axis_name, self._axis_size, self._remat, "filter_map")
+        if self._auto is None:
+            assert not isinstance(self._batch_size, str)  # only "auto", checked above
+            return run_chunks(fun, self._batch_size, in_axes, out_axes, *options, args)
 
         def run(k: int, a: tuple) -> Any:
-            return run_chunks(
-                fun, k, in_axes, out_axes, axis_name, axis_size, remat, "filter_map", a
-            )
+            return run_chunks(fun, k, in_axes, out_axes, *options, a)
 
         named = named_in_axes(fun, in_axes, args, "filter_map")
         n, shards = rows_and_shards(args, named, "filter_map")
-        return run(auto(run, args, n, shards), args)
+        return run(self._auto(run, args, n, shards), args)
 
-    return mapped
+    def __hash__(self) -> int:
+        # `jax.jit(filter_map(...))` hashes the wrapper; a dict `in_axes`/`out_axes` is not
+        # hashable (`eqx.filter_vmap`'s wrapper raises there), so fall back to identity.
+        try:
+            return hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+        except TypeError:
+            return id(self)
+
+    def __get__(self, instance: Any, owner: Any) -> Any:
+        if instance is None:
+            return self
+        return eqx.Partial(self, instance)  # a method: `self` is the first argument

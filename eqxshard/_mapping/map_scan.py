@@ -26,6 +26,7 @@ from .chunks import (
     named_in_axes,
     resolve_axes,
 )
+from .stream_host import check_dtypes
 
 
 def _shard_count(leaf: Any, axis: int, n: int) -> int:
@@ -92,6 +93,7 @@ def run_chunks(
     flat, args_def = jtu.tree_flatten_with_path(args)
     paths = ["args" + jtu.keystr(p) for p, _ in flat]
     leaves = [x for _, x in flat]
+    check_dtypes(name, paths, leaves)
     in_axes = named_in_axes(fun, in_axes, args, name)
     axes = resolve_axes(args, in_axes, "in_axes", name)
     ax = {i: a for i, a in enumerate(axes) if a is not None}

@@ -21,7 +21,7 @@ from .chunks import (
     named_in_axes,
     resolve_axes,
 )
-from .stream_host import NAME, host_chunk, output_to_host, rows_from_host
+from .stream_host import NAME, check_dtypes, host_chunk, output_to_host, rows_from_host
 from .stream_step import Step, compiled_step
 
 
@@ -46,6 +46,7 @@ def _run(
             f"(and `grad`, `vmap`, ...), but these arguments are traced: {', '.join(traced)}. "
             "Inside a transformation use `eqxshard.filter_map` instead."
         )
+    check_dtypes(NAME, paths, leaves)
     in_axes = named_in_axes(fun, in_axes, args, NAME)
     ax = {i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", NAME)) if a is not None}
     if not ax:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat
+from .._tree import leaf_table
 
 NAME = "filter_stream"
 
@@ -55,3 +56,34 @@ def output_to_host(x: jax.Array) -> Any:
     if not x.is_fully_addressable:  # a mesh over several processes: every one gets it all
         return np.asarray(_compat.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+def streamable(leaf: Any, axis: int) -> bool:
+    """A host object `filter_stream` can cut rows of along `axis`."""
+    if not hasattr(leaf, "__getitem__"):
+        return False
+    if not (hasattr(leaf, "shape") or hasattr(leaf, "__len__")):
+        return False
+    return axis == 0 or isinstance(leaf, np.ndarray | jax.Array)
+
+
+def shape_of(leaf: Any) -> tuple[int, ...]:
+    """The shape of an array, or `(len(leaf),)` for a host sequence of rows."""
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else (len(leaf),)
+
+
+def check_dtypes(name: str, paths: list[str], leaves: list[Any]) -> None:
+    """Raises naming every array leaf of a dtype JAX has no arrays of (NumPy strings,
+    objects, ...), before JAX refuses it without a path."""
+    bad = [
+        i
+        for i, x in enumerate(leaves)
+        if isinstance(x, np.ndarray | np.generic | jax.Array) and not _compat.is_jax_dtype(x.dtype)
+    ]
+    if bad:
+        raise TypeError(
+            f"`{name}` got array arguments whose dtype JAX has no arrays of:\n"
+            + leaf_table([(paths[i], f"dtype {leaves[i].dtype}") for i in bad])
+            + "\nConvert them to a numeric dtype, or pass them in a static field "
+            "(`eqx.field(static=True)`) or by closure."
+        )

@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
 from .._tree import Flat, leaf_error, pathstr
@@ -134,6 +134,30 @@ def check_traced_moves(verb: str, flat: Flat, shardings: dict[int, Sharding]) ->
         )
 
 
+def _check_devices_known(verb: str, flat: Flat, shardings: dict[int, Sharding]) -> None:
+    """Raises for leaves to be placed, outside any trace, on an `AbstractMesh`: it names
+    axes but no devices, so there is nowhere to put them (JAX says only that the input's
+    sharding "must be a `NamedSharding`")."""
+    rows = [
+        (pathstr(flat.paths[i]), f"mesh {s.mesh}")
+        for i, s in shardings.items()
+        if isinstance(s, NamedSharding)
+        and isinstance(s.mesh, AbstractMesh)
+        and not _compat.is_tracer(flat.leaves[i])
+    ]
+    if rows and not _compat.tracing():
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` cannot place these leaves on an AbstractMesh outside `jit`: it has "
+                "no devices.",
+                rows,
+                "Pass a concrete `jax.sharding.Mesh` (e.g. from `jax.make_mesh`), or call "
+                "this inside `jax.jit`, where an AbstractMesh stands for the mesh set by "
+                "`jax.set_mesh`.",
+            )
+        )
+
+
 def place(
     verb: str,
     flat: Flat,
@@ -144,6 +168,7 @@ def place(
 ) -> dict[int, Any]:
     """Places every array leaf of `flat` that has a sharding; returns the new leaves."""
     check_traced_moves(verb, flat, shardings)
+    _check_devices_known(verb, flat, shardings)
     traced = {i: s for i, s in shardings.items() if needs_constraint(flat.leaves[i], s)}
     concrete = {i: settled(s) for i, s in shardings.items() if i not in traced}
     concrete = {i: s for i, s in concrete.items() if not already_placed(flat.leaves[i], s)}

@@ -152,6 +152,11 @@ def resolve_here(
     type_errors: list[tuple[str, str]] = []
     no_mesh: list[tuple[str, str]] = []
     no_target: list[tuple[str]] = []
+    # float0 leaves (the cotangents of integers) have no devices: left as they are, as
+    # `eqx.filter_shard` leaves them.
+    for i in flat.array_indices:
+        if getattr(flat.leaves[i], "dtype", None) == jax.dtypes.float0:
+            targets[i] = None
     placed_here = [
         i
         for i in flat.array_indices

@@ -13,11 +13,11 @@ from typing import Any, Generic
 
 import equinox as eqx
 import jax
-from jax.sharding import Sharding
+from jax.sharding import AbstractMesh, NamedSharding, Sharding
 from jaxtyping import PyTree
 
 from .._placement import place, resolve
-from .._tree import Flat, Params, T, is_array_like
+from .._tree import Flat, Params, T, is_array_like, leaf_error, pathstr
 
 
 def plan_shardings(
@@ -88,6 +88,23 @@ def _device_groups(indices: list[int], shardings: dict[int, Sharding]) -> list[l
     return ordered
 
 
+def _check_devices_known(flat: Flat, shardings: dict[int, Sharding]) -> None:
+    rows = [
+        (pathstr(flat.paths[i]), f"mesh {s.mesh}")
+        for i, s in shardings.items()
+        if isinstance(s, NamedSharding) and isinstance(s.mesh, AbstractMesh)
+    ]
+    if rows:
+        raise ValueError(
+            leaf_error(
+                "`filter_init` cannot create these leaves on an AbstractMesh: it has no devices.",
+                rows,
+                "Pass a concrete `jax.sharding.Mesh` (e.g. from `jax.make_mesh`); `filter_plan` "
+                "gives the layouts on an AbstractMesh without creating anything.",
+            )
+        )
+
+
 def _settled(sharding: Sharding | None) -> Sharding | None:
     """A concrete output's layout: `P.UNCONSTRAINED` dims not split, as `filter_shard`
     places them outside `jit` (`jit`'s `out_shardings` refuses them)."""
@@ -101,6 +118,7 @@ class _Init(Generic[Params, T]):
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Flat, list[tuple[list[int], Any]], Any]:
         abstract = eqx.filter_eval_shape(self.fn, *args, **kwargs)
         flat, shardings = plan_shardings("filter_init", abstract, self.target, self.spec)
+        _check_devices_known(flat, shardings)
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
         fn: Callable[..., Any] = self.fn
 
@@ -165,7 +183,8 @@ def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -
     **Raises:**
 
     The errors of `filter_plan`, raised before `fn` runs on any device; `TypeError` if
-    `fn` is not callable.
+    `fn` is not callable; `ValueError` if a leaf's layout is on an `AbstractMesh`, which
+    has no devices to create it on.
 
     !!! Example
 

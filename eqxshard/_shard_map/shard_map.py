@@ -14,7 +14,7 @@ from .. import _compat
 from .._placement import committed, place
 from .._placement.specs import check_specs
 from .._tree import Flat, leaf_error, pathstr
-from .specs import _check_out_specs, _check_spec_values, _specs_per_leaf
+from .specs import _check_out_specs, _check_spec_values, _specs_per_leaf, scalars_as_arrays
 
 _VERB = "filter_shard_map"
 Specs = PartitionSpec | PyTree[PartitionSpec | NamedSharding | None] | Callable[[Any, Any], Any]
@@ -142,7 +142,7 @@ def _call(
     mesh = _get_mesh(mesh)
     free = frozenset(mesh.axis_names) - _compat.vmapped_mesh_axes()
     manual = _manual_axes(mesh, axis_names, free)
-    flat = Flat(args, is_array=_is_argument)
+    flat = Flat(scalars_as_arrays(args, in_specs, "in_specs"), is_array=_is_argument)
     values = _specs_per_leaf(flat, in_specs, mesh, "in_specs")
     specs = _check_spec_values(flat, values, mesh, manual, "in_specs", none_ok=True)
     check_specs(_VERB, flat, {i: (mesh, _plain(spec)) for i, spec in specs.items()})
@@ -178,7 +178,7 @@ def _call(
 
     def per_device(*local: Any) -> tuple[list[PartitionSpec], list[Any]]:
         out = fun(*flat.rebuild(dict(zip(indices, local, strict=True))))
-        out_tree = Flat(out)
+        out_tree = Flat(scalars_as_arrays(out, out_specs, "out_specs"))
         out_values = _specs_per_leaf(out_tree, out_specs, mesh, "out_specs")
         out_specs_flat = _check_spec_values(
             out_tree, out_values, mesh, manual, "out_specs", none_ok=False
@@ -189,6 +189,7 @@ def _call(
             out_tree.leaves[i] for i in out_tree.array_indices
         ]
 
+    per_device.__name__ = getattr(fun, "__name__", "fun")  # JAX's errors name the user's
     mapped = _compat.shard_map_specs_from_trace(
         per_device,
         mesh=mesh,

@@ -4,18 +4,45 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .. import _compat
 from .._placement.specs import entry_axes
 from .._placement.targets import per_leaf
-from .._tree import Flat, leaf_error, pathstr, shape_str
+from .._tree import Flat, broadcast_prefix, leaf_error, pathstr, shape_str
 
 _VERB = "filter_shard_map"
 
 
 def _is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, (PartitionSpec, NamedSharding))
+
+
+_SCALARS = (bool, int, float, complex, np.number, np.bool_)
+
+
+def scalars_as_arrays(tree: Any, specs: Any, argname: str) -> Any:
+    """`tree` with each Python or NumPy scalar leaf that `specs` gives a spec of its own
+    made a JAX array, as `jax.shard_map` makes it (weakly typed for Python scalars). A
+    spec over a whole subtree leaves its non-array leaves alone, as elsewhere."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if not any(isinstance(x, _SCALARS) for x in leaves):
+        return tree
+    if (callable(specs) and not _is_spec_leaf(specs)) or hasattr(specs, "spec_for"):
+        return tree  # a callable spec is only called on array leaves
+    values, on_leaf = broadcast_prefix(
+        specs, tree, is_leaf=_is_spec_leaf, argname=argname, verb=_VERB
+    )
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    given = set(on_leaf)
+    leaves = [
+        jnp.asarray(x) if isinstance(x, _SCALARS) and v is not None and p in given else x
+        for x, v, p in zip(leaves, values, paths, strict=True)
+    ]
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def _specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: str) -> list[Any]:

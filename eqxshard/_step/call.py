@@ -159,7 +159,8 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             out = entry.jitted(*dynamic)
         # As `eqx.filter_jit`: wait for the result, so a runtime error is raised here.
-        first = next((x for x in out[0] if not is_tracer(x)), None)
+        # (Only JAX arrays: a float0 output is a NumPy-like array with nothing to wait on.)
+        first = next((x for x in out[0] if isinstance(x, jax.Array) and not is_tracer(x)), None)
         if first is not None:
             first.block_until_ready()
     except (jax.errors.JaxRuntimeError, ValueError) as e:

@@ -279,4 +279,16 @@ CASES: list[Case] = [
         ValueError,
         r"step 1 in .*no good step before it",
     ),
+    Case(
+        "filter_save/directory-empty",
+        lambda: eqxshard.filter_save("", 0, _tree),
+        ValueError,
+        r"`filter_save` got an empty `directory`",
+    ),
+    Case(
+        "filter_restore/directory-empty",
+        lambda: eqxshard.filter_restore("", _like),
+        ValueError,
+        r"`filter_restore` got an empty `directory`",
+    ),
 ]

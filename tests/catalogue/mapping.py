@@ -217,4 +217,30 @@ CASES: list[Case] = [
         TypeError,
         r"these arguments are traced: args\[0\], args\[1\]",
     ),
+    Case(
+        "filter_map/memory_budget-inf",
+        lambda: eqxshard.filter_map(jnp.sin, batch_size="auto", memory_budget=float("inf")),
+        ValueError,
+        r"`filter_map\(memory_budget=\.\.\.\)` must be a finite number > 0 of bytes, got inf",
+    ),
+    Case(
+        "filter_map/remat-str",
+        lambda: eqxshard.filter_map(jnp.sin, remat="yes"),
+        TypeError,
+        r"`filter_map\(remat=\.\.\.\)` must be a bool, got str",
+    ),
+    Case(
+        "filter_map/str-array",
+        lambda: eqxshard.filter_map(lambda s, x: x)(np.array(["a", "b"]), jnp.ones(2)),
+        TypeError,
+        r"dtype JAX has no arrays of:\n  args\[0\]  dtype <U1",
+    ),
+    Case(
+        "filter_stream/str-array",
+        lambda: eqxshard.filter_stream(lambda s: s, batch_size=2, progress=False)(
+            np.array(["a", "b", "c"])
+        ),
+        TypeError,
+        r"`filter_stream` got array arguments whose dtype JAX has no arrays of:\n  args\[0\]",
+    ),
 ]

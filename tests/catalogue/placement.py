@@ -14,7 +14,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import (
+    AbstractMesh,
+    AxisType,
+    NamedSharding,
+    PartitionSpec as P,
+    SingleDeviceSharding,
+)
 
 import eqxshard
 
@@ -499,5 +505,27 @@ CASES: list[Case] = [
         lambda: jax.eval_shape(lambda x: eqxshard.filter_get([x]), jnp.ones(3)),
         TypeError,
         r"\[0\]",
+    ),
+    # ---- an AbstractMesh outside `jit`: no devices to place on (was JAX's "must be a
+    # `NamedSharding`" TypeError, naming no leaf)
+    Case(
+        "filter_shard/abstract-mesh-eager",
+        lambda: eqxshard.filter_shard(_w(), AbstractMesh((2, 4), ("data", "model")), P("data")),
+        ValueError,
+        r"on an AbstractMesh outside `jit`: it has no devices.\n  \['w'\]",
+    ),
+    Case(
+        "filter_replicate/abstract-mesh-eager",
+        lambda: eqxshard.filter_replicate(jnp.ones(8), AbstractMesh((8,), ("data",))),
+        ValueError,
+        r"`filter_replicate` cannot place these leaves on an AbstractMesh.*\n  <root>",
+    ),
+    Case(
+        "filter_put/abstract-mesh-eager",
+        lambda: eqxshard.filter_put(
+            {"x": jnp.ones(8)}, NamedSharding(AbstractMesh((8,), ("data",)), P("data"))
+        ),
+        ValueError,
+        r"(?s)`filter_put` cannot place .*AbstractMesh.*\n  \['x'\].*concrete `jax.sharding.Mesh`",
     ),
 ]

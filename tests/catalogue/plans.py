@@ -269,4 +269,12 @@ CASES: list[Case] = [
         ValueError,
         r"`fsdp` over mesh axes \['x'\].*\n  \['w'\]",
     ),
+    Case(
+        "filter_init/abstract-mesh",
+        lambda: eqxshard.filter_init(
+            lambda: {"w": jnp.ones(8)}, jax.sharding.AbstractMesh((8,), ("data",)), P("data")
+        )(),
+        ValueError,
+        r"`filter_init` cannot create these leaves on an AbstractMesh.*\n  \['w'\]",
+    ),
 ]

@@ -75,9 +75,26 @@ def resolve_budget(budget: Any, devices: list[Any]) -> int:
             "`auto_plan` takes `budget` as bytes per device (an int) or a string such as "
             f'"16GiB", but got {type(budget).__name__}.'
         )
-    if not value > 0:
-        raise ValueError(f"`auto_plan` takes `budget` > 0 bytes per device, but got {budget!r}.")
+    if not 0 < value < math.inf:
+        raise ValueError(
+            f"`auto_plan` takes `budget` as a finite number > 0 of bytes per device, but got "
+            f"{budget!r}."
+        )
     return int(value)
+
+
+def check_flops(flops_per_second: Any) -> None:
+    """Raises unless `flops_per_second` is a finite number > 0."""
+    if isinstance(flops_per_second, bool) or not isinstance(flops_per_second, int | float):
+        raise TypeError(
+            "`auto_plan` takes `flops_per_second` as a number (e.g. `4e14`), but got "
+            f"{type(flops_per_second).__name__}."
+        )
+    if not 0 < flops_per_second < math.inf:
+        raise ValueError(
+            "`auto_plan` takes `flops_per_second` as a finite number > 0 (what one device "
+            f"computes per second, e.g. `4e14`), but got {flops_per_second!r}."
+        )
 
 
 def batch_size(batch: Any) -> int:

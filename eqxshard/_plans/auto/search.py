@@ -135,12 +135,12 @@ def auto_plan(
 
     **Raises:**
 
-    - `TypeError`: if `step` is not callable, or `devices`, `budget`, `optimizer` or
-        `links` is of the wrong type.
-    - `ValueError`: if `devices` or `budget` is not positive, `budget` cannot be read or
-        found, `step` fails to trace (with the error it raised), `batch` has no common
-        leading dim; and if no candidate fits, naming the smallest footprint found,
-        what dominates it and what would help.
+    - `TypeError`: if `step` is not callable, or `devices`, `budget`, `optimizer`,
+        `flops_per_second` or `links` is of the wrong type.
+    - `ValueError`: if `devices`, `budget` or `flops_per_second` is not positive (or is
+        infinite), `budget` cannot be read or found, `step` fails to trace (with the
+        error it raised), `batch` has no common leading dim; and if no candidate fits,
+        naming the smallest footprint found, what dominates it and what would help.
 
     !!! Example
 
@@ -165,6 +165,7 @@ def auto_plan(
     n, available = args_.resolve_devices(devices)
     budget_bytes = args_.resolve_budget(budget, available)
     args_.check_optimizer(optimizer)
+    args_.check_flops(flops_per_second)
     if not isinstance(rules, Sequence) or isinstance(rules, str):
         raise TypeError(f"`auto_plan` takes `rules` as a list of rules, but got {rules!r}.")
     if isinstance(compile_limit, bool) or not isinstance(compile_limit, int) or compile_limit < 1:
