@@ -206,7 +206,14 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     - `ImportError`: if `orbax-checkpoint` is not installed.
     - `TypeError`: if `directory` is not a `str` or `os.PathLike`.
     - `ValueError`: if `directory` is empty.
+    - `NotADirectoryError`: if `directory` is a file.
     """
     ocp = _orbax("latest_step")
-    steps = _steps(ocp, _directory(directory, "latest_step"))
+    path = _directory(directory, "latest_step")
+    if os.path.isfile(path):  # a mistyped path must not read as "start from scratch"
+        raise NotADirectoryError(
+            f"`latest_step` got `directory` {path}: it is a file, not a checkpoint "
+            "directory. Pass the directory `filter_save` writes to."
+        )
+    steps = _steps(ocp, path)
     return steps[-1] if steps else None

@@ -85,6 +85,12 @@ def _into_file(directory: str) -> Any:
     return eqxshard.filter_save(path, 0, _tree)
 
 
+def _latest_of_file(directory: str) -> Any:
+    path = os.path.join(directory, "a-file")
+    open(path, "w").close()
+    return eqxshard.latest_step(path)
+
+
 def _under_file(directory: str) -> Any:
     path = os.path.join(directory, "a-file")
     open(path, "w").close()
@@ -180,6 +186,12 @@ CASES: list[Case] = [
         _in_temp(_into_file),
         NotADirectoryError,
         r"`directory` .*a-file: it is a file",
+    ),
+    Case(
+        "latest_step/directory-is-a-file",
+        _in_temp(_latest_of_file),
+        NotADirectoryError,
+        r"`latest_step` got `directory` .*a-file: it is a file",
     ),
     Case(
         "filter_save/directory-under-a-file",
