@@ -100,7 +100,8 @@ def test_a_restarted_run_ends_as_an_unbroken_one(make_cluster, tmp_path: Path) -
     assert broken.finish() == 0, broken.text
     assert re.search(
         r"\[launch\] process 1 on node2 exited with code 137 \(128 \+ SIGKILL: killed by it\); "
-        r"ending the 1 still running; restarting the run \(restart 1 of 2\)",
+        # (the survivor may end by itself, its gloo link reset, before the launcher does)
+        r"(ending the 1 still running|none left); restarting the run \(restart 1 of 2\)",
         broken.text,
     ), broken.text
     assert re.search(r"\[0\] resumed from the checkpoint of step (10|15)", broken.text)
