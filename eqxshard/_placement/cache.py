@@ -59,6 +59,7 @@ class Lookup(NamedTuple):
 NEVER = Lookup(None, None, None)
 
 _plans: OrderedDict[Hashable, tuple[tuple[int, ...], dict[Hashable, Moves]]] = OrderedDict()
+_jax_types: dict[type, bool] = {}  # whether a leaf type is a `jax.Array`
 _kinds: dict[type, int] = {}  # what `eqx.is_array` says of a type, and whether it is traced
 _counts = {"hits": 0, "misses": 0}
 
@@ -180,11 +181,16 @@ def place_tree(tree: Any, leaves: list[Any], treedef: Any, moves: Moves) -> Any:
     laid out as asked, or the very same `tree` if none has to move."""
     indices: list[int] = []
     targets: list[Sharding] = []
+    jax_types = _jax_types
     for sharding, group in moves:
         same = sharding  # a sharding object equal to `sharding`, as the placed leaves carry
         for i in group:
             x = leaves[i]
-            if isinstance(x, jax.Array) and x.committed:
+            t = type(x)
+            is_jax = jax_types.get(t)
+            if is_jax is None:  # (`isinstance(x, jax.Array)` is slow: a metaclass check)
+                is_jax = jax_types[t] = issubclass(t, jax.Array)
+            if is_jax and x.committed:
                 current = x.sharding
                 if current is same:
                     continue
@@ -197,7 +203,8 @@ def place_tree(tree: Any, leaves: list[Any], treedef: Any, moves: Moves) -> Any:
             targets.append(sharding)
     if not indices:
         return tree
-    moved = dict(
-        zip(indices, staging.device_put([leaves[i] for i in indices], targets), strict=True)
-    )
-    return jax.tree_util.tree_unflatten(treedef, [moved.get(i, x) for i, x in enumerate(leaves)])
+    out = list(leaves)
+    moved = staging.device_put([leaves[i] for i in indices], targets)
+    for i, y in zip(indices, moved, strict=True):
+        out[i] = y
+    return jax.tree_util.tree_unflatten(treedef, out)
