@@ -145,3 +145,37 @@ def _spec_problems(
                 )
             )
     return problems
+
+
+def check_abstract_meshes(
+    verb: str, flat: Flat, layouts: dict[int, tuple[Mesh | AbstractMesh, PartitionSpec]]
+) -> None:
+    """Inside `jit`, an `AbstractMesh` target stands for the mesh set by `jax.set_mesh`:
+    one with that mesh's axes but other axis types cannot be laid out against it (JAX
+    fails with a bare `AssertionError`); named here, with every such leaf."""
+    context = _compat.context_abstract_mesh()
+    if context is None:
+        return
+    rows = [
+        (pathstr(flat.paths[i]), f"axis types {_types(mesh)}")
+        for i, (mesh, _) in layouts.items()
+        if isinstance(mesh, AbstractMesh)
+        and mesh != context
+        and dict(mesh.shape) == dict(context.shape)
+        and mesh.axis_types != context.axis_types
+    ]
+    if rows:
+        raise ValueError(
+            leaf_error(
+                f"`{verb}` got an AbstractMesh whose axes are those of the mesh set by "
+                f"`jax.set_mesh` but whose axis types differ from its {_types(context)}, "
+                "for these leaves:",
+                rows,
+                "Pass the set mesh's own abstract mesh (`jax.sharding.get_abstract_mesh()`), "
+                "or set a mesh of these axis types.",
+            )
+        )
+
+
+def _types(mesh: Mesh | AbstractMesh) -> str:
+    return "(" + ", ".join(f"{n}: {t.name}" for n, t in _compat.axis_type_map(mesh).items()) + ")"

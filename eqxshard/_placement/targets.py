@@ -15,7 +15,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Shard
 from .. import _compat
 from .._tree import Flat, broadcast_prefix, leaf_error, pathstr
 from . import multihost
-from .specs import check_specs
+from .specs import check_abstract_meshes, check_specs
 
 # Sentinels for "the argument was not given" (as opposed to `None` inside a prefix
 # tree, which means "leave this subtree alone").
@@ -257,6 +257,7 @@ def resolve_here(
     layouts.update((i, (s.mesh, s.spec)) for i, s in out.items() if isinstance(s, NamedSharding))
     shapes = multihost.global_shapes(flat, layouts, process_local=process_local)
     check_specs(verb, flat, layouts, shapes)
+    check_abstract_meshes(verb, flat, layouts)
     # One `NamedSharding` per distinct layout, shared by its leaves: building one costs more
     # than the dict lookup, and `device_put` and `place.already_placed` compare them faster.
     # (Keyed by identity: `P(("a",)) == P("a")`, and each leaf keeps the very spec it got.)

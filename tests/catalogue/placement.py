@@ -528,4 +528,26 @@ CASES: list[Case] = [
         ValueError,
         r"(?s)`filter_put` cannot place .*AbstractMesh.*\n  \['x'\].*concrete `jax.sharding.Mesh`",
     ),
+    # ---- inside `jit`, an AbstractMesh of the set mesh's axes but other axis types (was
+    # JAX's bare AssertionError from `with_sharding_constraint`)
+    Case(
+        "filter_shard/abstract-mesh-other-axis-types-in-jit",
+        lambda: _in_jit_under_explicit(
+            lambda x: eqxshard.filter_shard({"x": x}, _auto_abstract(), P("data"))
+        ),
+        ValueError,
+        r"(?s)AbstractMesh whose axes are those of the mesh set.*\(data: Explicit\).*"
+        r"\n  \['x'\]  axis types \(data: Auto\)",
+    ),
 ]
+
+
+def _auto_abstract() -> AbstractMesh:
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    return mesh.abstract_mesh
+
+
+def _in_jit_under_explicit(fn: Callable[[Any], Any]) -> Any:
+    explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(explicit):
+        return jax.jit(fn)(jnp.ones(8))
