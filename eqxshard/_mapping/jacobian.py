@@ -71,9 +71,9 @@ def filter_jacrev(
         not axis names. When called: if an output leaf is complex or integer (reverse mode needs
         real floating-point outputs, as `jax.jacrev` without `holomorphic`).
     - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
-        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
-        without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
-        with `batch_size="auto"`, if no memory budget is known (CPU without
+        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
+        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
+        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
         says how many bytes the smallest chunk needs). When called: if the first argument
         has no floating-point array leaf (nothing to differentiate).
@@ -155,9 +155,9 @@ def filter_jacfwd(
         not axis names. When called: if a floating-point leaf of the first argument is complex
         (forward mode needs real inputs, as `jax.jacfwd` without `holomorphic`).
     - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
-        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
-        without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
-        with `batch_size="auto"`, if no memory budget is known (CPU without
+        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
+        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
+        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
         says how many bytes the smallest chunk needs). When called: if the first argument
         has no floating-point array leaf (nothing to differentiate).
@@ -238,9 +238,9 @@ def filter_hessian(
         not axis names. When called: if a floating-point leaf of the first argument is complex,
         or an output leaf of `fun` is not real floating-point.
     - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
-        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
-        without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
-        with `batch_size="auto"`, if no memory budget is known (CPU without
+        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
+        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
+        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
         says how many bytes the smallest chunk needs). When called: if the first argument
         has no floating-point array leaf (nothing to differentiate).

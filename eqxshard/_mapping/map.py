@@ -137,8 +137,8 @@ def filter_map(
         JAX has no arrays of (strings, objects); if keyword arguments are passed to the
         mapped function.
     - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
-        or is given without `batch_size="auto"`; with `"auto"`, if no budget is known or one row per shard
-        does not fit it; if `in_axes`/`out_axes` is not a prefix of the
+        or is given without `batch_size="auto"`; with `"auto"`, if no budget is known or
+        one row per shard does not fit it; if `in_axes`/`out_axes` is not a prefix of the
         arguments/output, or a dict `in_axes` names no argument; if an axis is out of
         range, listing every such leaf; if mapped leaves have different sizes, listing
         every mapped leaf; if `axis_size` is negative or differs from that size; if
