@@ -84,20 +84,21 @@ def per_leaf(
     return values
 
 
-def check_dtypes(verb: str, flat: Flat, indices: list[int]) -> None:
+def check_dtypes(verb: str, flat: Flat, indices: list[int], fix: str | None = None) -> None:
     """Raises for array leaves whose dtype JAX has no arrays of (strings, objects, ...),
-    naming each, before JAX sees them."""
+    naming each, before JAX sees them; `fix` replaces the placement verbs' advice."""
     rows = [
         (pathstr(flat.paths[i]), f"dtype {flat.leaves[i].dtype}", _dtype_word(flat.leaves[i]))
         for i in indices
-        if not _compat.is_jax_dtype(flat.leaves[i].dtype)
+        if hasattr(flat.leaves[i], "dtype") and not _compat.is_jax_dtype(flat.leaves[i].dtype)
     ]
     if rows:
         raise TypeError(
             leaf_error(
                 f"`{verb}` got array leaves whose dtype JAX has no arrays of:",
                 rows,
-                "Convert them to a numeric dtype (e.g. strings to integer codes), keep them "
+                fix
+                or "Convert them to a numeric dtype (e.g. strings to integer codes), keep them "
                 "out of the arrays (a static field: `eqx.field(static=True)`), or put `None` "
                 "at their paths in `target` to leave them alone.",
             )

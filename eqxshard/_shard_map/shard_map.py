@@ -7,73 +7,24 @@ from collections.abc import Callable, Set
 from typing import Any
 
 import equinox as eqx
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 from jaxtyping import PyTree
 
 from .. import _compat
-from .._placement import committed, place
+from .._placement import committed, place, targets
 from .._placement.specs import check_specs
 from .._tree import Flat, leaf_error, pathstr
+from .axes import get_mesh, has_explicit, manual_axes
 from .specs import _check_out_specs, _check_spec_values, _specs_per_leaf, scalars_as_arrays
 
 _VERB = "filter_shard_map"
 Specs = PartitionSpec | PyTree[PartitionSpec | NamedSharding | None] | Callable[[Any, Any], Any]
 
 
-def _get_mesh(mesh: Any) -> Mesh | AbstractMesh:
-    """`mesh`, or the ambient mesh; inside an outer `shard_map`, the mesh JAX has in context."""
-    if mesh is None:
-        mesh = _compat.ambient_mesh()
-        if mesh is None:
-            raise ValueError(
-                f"`{_VERB}` was called without a `mesh` and no mesh is set. Pass "
-                f"`{_VERB}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
-            )
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"`{_VERB}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
-            f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
-        )
-    context = _compat.context_abstract_mesh()
-    if (
-        context is not None
-        and AxisType.Manual in tuple(context.axis_types)
-        and dict(context.shape) == dict(mesh.shape)
-    ):
-        return context  # nested in a `shard_map` over the same mesh: JAX wants the context
-    return mesh
-
-
-def _manual_axes(
-    mesh: Mesh | AbstractMesh, axis_names: Set[str] | None, free: frozenset[str]
-) -> frozenset[str]:
-    """The axes `fun` is mapped over: `axis_names`, or (as in `jax.shard_map`) every axis
-    of `mesh` that no enclosing `vmap` has taken (`free`)."""
-    if axis_names is None:
-        return free
-    if isinstance(axis_names, str) or not all(isinstance(a, str) for a in axis_names):
-        raise TypeError(
-            f"`{_VERB}(axis_names=...)` must be a set of mesh axis names, got {axis_names!r}."
-        )
-    unknown = sorted(set(axis_names) - set(mesh.axis_names))
-    if unknown:
-        raise ValueError(
-            f"`{_VERB}(axis_names=...)` names axes {unknown} that the mesh "
-            f"{list(mesh.axis_names)} does not have. Use only the mesh's axis names."
-        )
-    taken = sorted(set(axis_names) - free)
-    if taken:
-        raise ValueError(
-            f"`{_VERB}(axis_names=...)` names axes {taken} that an enclosing `jax.vmap` "
-            "already maps its batch dim over. Leave them out of `axis_names` (or pass "
-            "`axis_names=None` to map over every axis `vmap` has not taken)."
-        )
-    return frozenset(axis_names)
-
-
-def _has_explicit(mesh: Mesh | AbstractMesh, manual: frozenset[str]) -> bool:
-    types = _compat.axis_type_map(mesh)
-    return any(types[a] == AxisType.Explicit for a in manual)
+_NOT_ARRAYS = (
+    "Convert them to a numeric dtype (e.g. strings to integer codes), or give them to `fun` "
+    "by closure or in a static field (`eqx.field(static=True)`)."
+)
 
 
 def _is_argument(x: Any) -> bool:
@@ -139,14 +90,15 @@ def _call(
             f"`{_VERB}` takes positional arguments only (as `jax.shard_map`); got keyword "
             f"arguments {sorted(kwargs)}. Pass them positionally, with their `in_specs`."
         )
-    mesh = _get_mesh(mesh)
+    mesh = get_mesh(mesh)
     free = frozenset(mesh.axis_names) - _compat.vmapped_mesh_axes()
-    manual = _manual_axes(mesh, axis_names, free)
+    manual = manual_axes(mesh, axis_names, free)
     flat = Flat(scalars_as_arrays(args, in_specs, "in_specs"), is_array=_is_argument)
+    targets.check_dtypes(_VERB, flat, flat.array_indices, _NOT_ARRAYS)
     values = _specs_per_leaf(flat, in_specs, mesh, "in_specs")
     specs = _check_spec_values(flat, values, mesh, manual, "in_specs", none_ok=True)
     check_specs(_VERB, flat, {i: (mesh, _plain(spec)) for i, spec in specs.items()})
-    if manual == free and _has_explicit(mesh, manual):
+    if manual == free and has_explicit(mesh, manual):
         # Mapped over every (non-`vmap`) axis of an Explicit mesh, `jax.shard_map` requires
         # inputs already laid out as `in_specs` say; lay them out here (a transfer outside
         # `jit`, a reshard inside). With fewer `axis_names` JAX re-lays out the mapped axes

@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from eqxshard import filter_shard_map
@@ -131,5 +132,12 @@ CASES: list[Case] = [
         _run(args=(), call_kwargs={"t": _args[0]}),
         TypeError,
         r"keyword arguments \['t'\].*`in_specs`",
+    ),
+    Case(
+        "filter_shard_map/numpy-strings",
+        _run(args=({"w": jnp.ones((4, 8)), "names": np.array(["a", "b", "c", "d"])},)),
+        TypeError,
+        r"(?s)`filter_shard_map` got array leaves whose dtype JAX has no arrays of:"
+        r"\n  \[0\]\['names'\]  dtype <U1  \(strings\).*by closure",
     ),
 ]
