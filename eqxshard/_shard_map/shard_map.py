@@ -227,7 +227,8 @@ def filter_shard_map(
         `axis_names` names axes the mesh lacks or that an enclosing `vmap` has taken, or
         a mutable array is not laid out as its in_spec says on Explicit axes.
     - `TypeError`: for a spec that is not a `PartitionSpec`, a `mesh` that is not a mesh,
-        or keyword arguments in the call.
+        keyword arguments in the call, or array arguments of a dtype JAX has no arrays of
+        (NumPy strings, bytes, objects), naming each.
 
     Other errors (an output said to be equal across devices that is not, under
     `check_vma=True`) come from `jax.shard_map`.
