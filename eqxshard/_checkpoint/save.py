@@ -97,6 +97,9 @@ def filter_save(
         already saved in `directory`, two leaves share a dotted path, `tree` has no array
         leaf, or a leaf has a zero-size dimension.
     - `NotADirectoryError`: if `directory` or a folder above it is a file.
+    - `OSError` (e.g. `PermissionError`): if `directory` cannot be created.
+    - `OSError`: if the step is not complete on disk once committed (e.g. another process
+        saved the same step into `directory` at the same time).
     - Any error of the write itself (e.g. `OSError` on a full disk).
 
     !!! Example
@@ -166,6 +169,15 @@ def filter_save(
     for name, i in names.items():
         leaf = flat.leaves[i]
         arrays[name] = jax.random.key_data(leaf) if _compat.is_prng_key(leaf) else leaf
+    if "://" not in directory:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise type(e)(
+                e.errno,
+                f"`filter_save` cannot create `directory` {directory}: {e.strerror}. Pass a "
+                "directory this process can write to.",
+            ) from e
     manager = _manager(
         ocp, directory, create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True
     )
