@@ -598,3 +598,18 @@ def test_a_directory_that_cannot_be_created(
     ):
         filter_save(tmp_path / "run", 0, {"w": jnp.ones(2)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_removes_what_killed_saves_of_earlier_steps_left(tmp_path: Path) -> None:
+    """A save killed midway leaves `N.orbax-checkpoint-tmp` (as SIGKILL leaves it); it
+    never counts, and orbax's `max_to_keep` never removed it."""
+    tree = {"w": jnp.ones(4)}
+    for step in [1, 2, 3]:
+        filter_save(tmp_path, step, tree)
+    for name in ["2.orbax-checkpoint-tmp", "4.orbax-checkpoint-tmp", "9.orbax-checkpoint-tmp"]:
+        (tmp_path / name / "default.orbax-checkpoint-tmp").mkdir(parents=True)
+        (tmp_path / name / "_CHECKPOINT_METADATA").write_text("{}")
+    assert latest_step(tmp_path) == 3
+    filter_save(tmp_path, 5, tree, max_to_keep=2)
+    # Step 2's leftover was pruned in place of step 2 before: three steps were kept.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "5", "9.orbax-checkpoint-tmp"]

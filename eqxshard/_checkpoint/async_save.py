@@ -177,6 +177,19 @@ def _remove_partial(directory: str, step: int) -> None:
                     pass
 
 
+def _remove_leftovers(directory: str, step: int) -> None:
+    """Removes the temporary directories of saves of steps before `step` that were killed
+    (they never count; orbax's `max_to_keep` never removes them, or removes one of them
+    in place of a step)."""
+    if "://" in directory or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        number, dot, rest = name.partition(".")
+        if dot and rest.startswith("orbax-checkpoint-tmp") and number.isdigit():
+            if int(number) < step:
+                _remove_partial(directory, int(number))
+
+
 def _release_waiting_threads() -> None:
     """After a failed save, wakes orbax's writer threads that still wait for the step
     directory to be created (otherwise each waits out orbax's timeout, minutes, and holds

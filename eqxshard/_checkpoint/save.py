@@ -27,6 +27,7 @@ from .async_save import (
     AsyncSave as AsyncSave,
     _capture_write_errors,
     _release_waiting_threads,
+    _remove_leftovers,
     _remove_partial,
     _wait_at_exit,
 )
@@ -82,7 +83,8 @@ def filter_save(
         A process ended by an error in a run joined by `initialize` does not wait.
 
     Everything is checked before anything is written. A save that fails leaves no
-    partial step behind (orbax's temporary directory is removed).
+    partial step behind (orbax's temporary directory is removed). The temporary
+    directories of killed saves of earlier steps are removed.
 
     **Returns:**
 
@@ -169,6 +171,8 @@ def filter_save(
     for name, i in names.items():
         leaf = flat.leaves[i]
         arrays[name] = jax.random.key_data(leaf) if _compat.is_prng_key(leaf) else leaf
+    if jax.process_index() == 0:
+        _remove_leftovers(directory, step)
     if "://" not in directory:
         try:
             os.makedirs(directory, exist_ok=True)
