@@ -613,3 +613,19 @@ def test_a_save_removes_what_killed_saves_of_earlier_steps_left(tmp_path: Path) 
     filter_save(tmp_path, 5, tree, max_to_keep=2)
     # Step 2's leftover was pruned in place of step 2 before: three steps were kept.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "5", "9.orbax-checkpoint-tmp"]
+
+
+@pytest.mark.heavy
+def test_a_background_save_is_finished_when_one_process_fails(tmp_path: Path) -> None:
+    """An uncaught exception ends a one-process run: the running save is still finished."""
+    code = (
+        "import sys, jax.numpy as jnp, eqxshard\n"
+        "eqxshard.filter_save(sys.argv[1], 3, {'w': jnp.arange(512.0**2).reshape(512, 512)},"
+        " wait=False)\n"
+        "raise RuntimeError('the training step failed')\n"
+    )
+    done = _run_script(code, str(tmp_path))
+    assert done.returncode == 1 and "RuntimeError: the training step failed" in done.stderr
+    assert "cannot schedule new futures" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
+    assert latest_step(tmp_path) == 3

@@ -80,7 +80,9 @@ def filter_save(
         later `filter_save` to the same directory first waits for the one before. When
         the program ends normally (also by `sys.exit(0)`), Python finishes every running
         save before it exits; one that fails then is reported on stderr as not on disk.
-        A process ended by an error in a run joined by `initialize` does not wait.
+        A one-process run does so also when it ends by `sys.exit(n)` or an uncaught
+        exception; a process ended by an error in a run joined by `initialize` does not
+        wait, and one killed or ended by `os._exit` cannot.
 
     Everything is checked before anything is written. A save that fails leaves no
     partial step behind (orbax's temporary directory is removed). The temporary
