@@ -19,6 +19,7 @@ from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
+from eqxshard import _compat
 
 Pair = collections.namedtuple("Pair", "a b")
 JITS = [eqxshard.filter_jit, eqx.filter_jit]
@@ -167,6 +168,9 @@ def test_filter_shard_same_as_equinox_under_transforms():
     assert shapes[0].shape == shapes[1].shape and shapes[0].dtype == shapes[1].dtype
 
 
+@pytest.mark.skipif(
+    not _compat.memory_kinds_in_jit(), reason="this JAX cannot move memory kinds inside jit on CPU"
+)
 def test_memory_kind_inside_jit_deliberately_differs():
     # Inside `jit`, `eqx.filter_shard`'s `with_sharding_constraint` drops a memory kind
     # (the result lands in device memory); eqxshard honours it, as it does outside `jit`.

@@ -60,6 +60,7 @@ def _check(kind, jit, fun, args, in_specs, out_specs):
 
 
 KINDS = [("auto", False), ("explicit", True)]  # one eager and one jitted run each
+JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
 
 
 @pytest.mark.parametrize("kind,jit", KINDS)
@@ -72,16 +73,24 @@ def test_dtypes(dtype, kind, jit):
 
 
 @pytest.mark.parametrize("kind,jit", KINDS)
-def test_prng_keys_zero_size_and_numpy(kind, jit):
+def test_prng_keys_and_numpy(kind, jit):
     keys = jax.random.split(jax.random.key(0), 8)
     _check(kind, jit, lambda k: (k, jax.random.key_data(k)), (keys,), (P("x"),), P("x"))
-    _check(kind, jit, lambda z: z * 2, (jnp.zeros((8, 0)),), (P("x"),), P("x"))
-    _check(kind, jit, lambda z: z * 2, (jnp.zeros((0, 4)),), (P(None, "y"),), P(None, "y"))
     x = jnp.arange(8.0)  # NumPy arguments: JAX makes them arrays (not laid out, so Auto only)
     mesh = make_mesh("auto", shape=(2, 4), names=("x", "y"))
     kw: dict[str, Any] = dict(mesh=mesh, in_specs=P("x"), out_specs=P("x"))
     host = np.arange(8.0, dtype=np.float32)
     _same(filter_shard_map(lambda a: a * 2, **kw)(host), jax.shard_map(lambda a: a * 2, **kw)(x))
+
+
+@pytest.mark.skipif(
+    JAX_VERSION < (0, 8),
+    reason="JAX 0.7's own shard_map fails on zero-size arrays ('Unexpected XLA sharding override')",
+)
+@pytest.mark.parametrize("kind,jit", KINDS)
+def test_zero_size(kind, jit):
+    _check(kind, jit, lambda z: z * 2, (jnp.zeros((8, 0)),), (P("x"),), P("x"))
+    _check(kind, jit, lambda z: z * 2, (jnp.zeros((0, 4)),), (P(None, "y"),), P(None, "y"))
 
 
 @pytest.mark.parametrize("kind,jit", KINDS)

@@ -49,10 +49,16 @@ def named_in_axes(fun: Callable, in_axes: Any, args: tuple, name: str) -> Any:
 
 
 def check_batch_size(
-    batch_size: Any, name: str, *, allow_none: bool = True, allow_auto: bool = False
+    batch_size: Any,
+    name: str,
+    *,
+    allow_none: bool = True,
+    allow_auto: bool = False,
+    unit: str = "rows",
+    none: str = "one row at a time",
 ) -> None:
     """Raises if `batch_size` is not `None` (when allowed), `"auto"` (when allowed) or a
-    positive int."""
+    positive int. The messages say what a chunk counts (`unit`) and what `None` does."""
     auto = allow_auto and isinstance(batch_size, str) and batch_size == "auto"
     if auto or (batch_size is None and allow_none):
         return
@@ -62,14 +68,14 @@ def check_batch_size(
         allowed += ' or `"auto"`' if allow_auto else ""
         raise TypeError(
             f"`{name}(batch_size=...)` must be {allowed}, got {batch_size!r} of type "
-            f"{type(batch_size).__name__}. Pass the number of rows per chunk, e.g. "
+            f"{type(batch_size).__name__}. Pass the number of {unit} per chunk, e.g. "
             "`batch_size=32`."
         )
     if int(batch_size) <= 0:  # pyright: ignore[reportArgumentType]
         raise ValueError(
             f"`{name}(batch_size=...)` must be >= 1, got {batch_size}. Pass the number of "
-            "rows per chunk, e.g. `batch_size=32`"
-            + (", or `None` for one row at a time." if allow_none else ".")
+            f"{unit} per chunk, e.g. `batch_size=32`"
+            + (f", or `None` for {none}." if allow_none else ".")
         )
 
 

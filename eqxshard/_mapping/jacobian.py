@@ -44,7 +44,7 @@ def filter_jacrev(
     - `memory_budget`: bytes per device for `batch_size="auto"`:
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
-        - a number of bytes `> 0`.
+        - a finite number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
     - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
@@ -70,10 +70,10 @@ def filter_jacrev(
         `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
         not axis names. When called: if an output leaf is complex or integer (reverse mode needs
         real floating-point outputs, as `jax.jacrev` without `holomorphic`).
-    - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
-        `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
-        without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
-        with `batch_size="auto"`, if no memory budget is known (CPU without
+    - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
+        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
+        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
+        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
         says how many bytes the smallest chunk needs). When called: if the first argument
         has no floating-point array leaf (nothing to differentiate).
@@ -129,7 +129,7 @@ def filter_jacfwd(
     - `memory_budget`: bytes per device for `batch_size="auto"`:
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
-        - a number of bytes `> 0`.
+        - a finite number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
     - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
@@ -154,10 +154,10 @@ def filter_jacfwd(
         `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
         not axis names. When called: if a floating-point leaf of the first argument is complex
         (forward mode needs real inputs, as `jax.jacfwd` without `holomorphic`).
-    - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
-        `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
-        without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
-        with `batch_size="auto"`, if no memory budget is known (CPU without
+    - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
+        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
+        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
+        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
         says how many bytes the smallest chunk needs). When called: if the first argument
         has no floating-point array leaf (nothing to differentiate).
@@ -213,7 +213,7 @@ def filter_hessian(
     - `memory_budget`: bytes per device for `batch_size="auto"`:
         - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
             reports it (CPU reports none: pass a number there);
-        - a number of bytes `> 0`.
+        - a finite number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
     - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
@@ -237,10 +237,10 @@ def filter_hessian(
         `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
         not axis names. When called: if a floating-point leaf of the first argument is complex,
         or an output leaf of `fun` is not real floating-point.
-    - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
-        `batch_size="auto"`; if `axis` names axes the mesh does not have, or is given
-        without `mesh`; if an int `batch_size` is not a multiple of the mesh's devices;
-        with `batch_size="auto"`, if no memory budget is known (CPU without
+    - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
+        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
+        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
+        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
         `memory_budget`) or if even one basis vector at a time does not fit (the error
         says how many bytes the smallest chunk needs). When called: if the first argument
         has no floating-point array leaf (nothing to differentiate).

@@ -29,7 +29,9 @@ def _check_options(
     name: str, batch_size: Any, memory_budget: Any, mesh: Any, axis: Any
 ) -> tuple[str, ...]:
     """Checks the options; returns the mesh axes the basis is split over."""
-    check_batch_size(batch_size, name, allow_auto=True)
+    check_batch_size(
+        batch_size, name, allow_auto=True, unit="basis vectors", none="all at once (Equinox's)"
+    )
     check_memory_budget(memory_budget, batch_size, name)
     if mesh is None:
         if axis is not None:

@@ -117,7 +117,7 @@ def filter_map(
     - `memory_budget`: bytes per device for `batch_size="auto"`:
         - `None`: half of the device memory that `device.memory_stats()` reports (CPU
             reports none: pass a number there);
-        - a number of bytes `> 0`.
+        - a finite number of bytes `> 0`.
         Under `jax.vmap` the budget is for the whole batch: the search measures the
         vmapped program (of the innermost `vmap`, when they are nested).
 
@@ -136,9 +136,9 @@ def filter_map(
         hashable, `axis_size` not an int or `remat` not a bool; if an array leaf has a dtype
         JAX has no arrays of (strings, objects); if keyword arguments are passed to the
         mapped function.
-    - `ValueError`: if `batch_size <= 0`; if `memory_budget <= 0` or is given without
-        `batch_size="auto"`; with `"auto"`, if no budget is known or one row per shard
-        does not fit it; if `in_axes`/`out_axes` is not a prefix of the
+    - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
+        or is given without `batch_size="auto"`; with `"auto"`, if no budget is known or
+        one row per shard does not fit it; if `in_axes`/`out_axes` is not a prefix of the
         arguments/output, or a dict `in_axes` names no argument; if an axis is out of
         range, listing every such leaf; if mapped leaves have different sizes, listing
         every mapped leaf; if `axis_size` is negative or differs from that size; if

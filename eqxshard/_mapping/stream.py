@@ -237,9 +237,11 @@ def filter_stream(
 
     - `TypeError`: if `fun` is not callable; if `batch_size` is not an int; if `mesh` is
         not a `Mesh`; if `desc` is not a string; if a mapped leaf cannot be sliced into
-        rows; if any argument is a tracer (use `filter_map` inside `jit`); if keyword
-        arguments are passed to the streaming function; as `filter_map` for `in_axes`/
-        `out_axes` holding other things than `None`, ints and callables.
+        rows; if an array argument has a dtype JAX has no arrays of (NumPy strings,
+        objects), naming each; if any argument is a tracer (use `filter_map` inside
+        `jit`); if keyword arguments are passed to the streaming function; as
+        `filter_map` for `in_axes`/`out_axes` holding other things than `None`, ints and
+        callables.
     - `ValueError`: if `batch_size <= 0` or is not a multiple of `mesh.size`; if no input
         is mapped; if an `in_axes` axis is out of range or mapped inputs have different
         numbers of rows, listing every such leaf; if a dict `in_axes` names no argument;

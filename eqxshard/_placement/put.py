@@ -76,8 +76,9 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         kind the target devices lack, a prefix tree that does not match `tree`, or a
         traced leaf asked to move to another device or backend inside `jit` (do the move
         outside `jit`), or a memory kind inside `jit` on a JAX that cannot move memory
-        there (jax < 0.8 on CPU), or if `EQXSHARD_STAGING` or `EQXSHARD_STAGING_BYTES`
-        holds a value it cannot read.
+        there (jax < 0.8 on CPU), or a sharding over an `AbstractMesh` outside `jit` (it
+        has no devices), or if `EQXSHARD_STAGING` or `EQXSHARD_STAGING_BYTES` holds a
+        value it cannot read.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 

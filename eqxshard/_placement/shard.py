@@ -46,6 +46,9 @@ def filter_shard(
         arrays included), NumPy arrays and NumPy scalars.
     - `target`: where the array leaves go. One of:
         - a `jax.sharding.Mesh`: laid out over it as `spec` says (no `spec`: replicated);
+        - a `jax.sharding.AbstractMesh`, or a `NamedSharding` over one: inside `jit`
+            only, where it stands for the mesh set by `jax.set_mesh` (it has no devices
+            to place onto outside);
         - a `jax.sharding.Sharding`, e.g. a `NamedSharding`;
         - a `jax.Device`: committed to that one device;
         - a `PartitionSpec`: against the mesh set by `jax.set_mesh(mesh)`;
@@ -95,7 +98,9 @@ def filter_shard(
         (do that move outside `jit`); `process_local=True` is used inside `jit` or with a
         non-mesh target, or processes pass different local shapes; processes pass
         different data for a global array; `EQXSHARD_STAGING` or
-        `EQXSHARD_STAGING_BYTES` holds a value it cannot read.
+        `EQXSHARD_STAGING_BYTES` holds a value it cannot read; the target is an
+        `AbstractMesh` outside `jit`, or inside `jit` one with the set mesh's axes but
+        other axis types.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
 
@@ -196,8 +201,8 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
     **Raises:**
 
     - `ValueError`: if `mesh` is `None` and no mesh is set, or (inside `jit`) if a traced
-        leaf lives on other devices than `mesh`; with several processes, if they pass
-        different trees.
+        leaf lives on other devices than `mesh`; if `mesh` is an `AbstractMesh` outside
+        `jit` (it has no devices); with several processes, if they pass different trees.
     - `TimeoutError`: with several processes, if another process does not make the same
         call within `EQXSHARD_SYNC_TIMEOUT` seconds (default 600), naming it.
     - `TypeError`: if `mesh` is not a `Mesh`, or for array leaves of a dtype JAX has no

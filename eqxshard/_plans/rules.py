@@ -30,9 +30,9 @@ class _NoMatch:
         return "NO_MATCH"
 
 
-# What `Rule.match` returns for a leaf the rule has nothing to say about, so that the
-# next rule of a `first(...)` is asked. (`None` means "leave this leaf alone".)
 NO_MATCH: Any = _NoMatch()
+"""What `Rule.match` returns for a leaf the rule has nothing to say about, so that the next
+rule of a `first(...)` is asked (`None` means "leave this leaf alone")."""
 
 
 def dotted_path(path: Path) -> str:

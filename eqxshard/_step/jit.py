@@ -141,7 +141,9 @@ def filter_jit(
     - `TypeError`: if `fun` is not callable; for a `donate`, `in_shardings`,
         `out_shardings`, `mesh` or `move_inputs` of the wrong type (naming each bad leaf
         of a tree); when called, for static leaves that are not hashable (naming them),
-        or a `donate` filter that returns a non-bool.
+        a `donate` filter that returns a non-bool, or arguments laid out by
+        `in_shardings` with a dtype JAX has no arrays of (NumPy strings, objects),
+        naming each.
     - `ValueError`: for a `donate` string that is none of the five; when called, for a
         `donate`, `in_shardings` or `out_shardings` tree that is not a prefix of the
         arguments or output; for specs or rules with no `mesh` and none set; the

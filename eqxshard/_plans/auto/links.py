@@ -22,6 +22,14 @@ class Link:
         takes `2 (n - 1)` steps, an all-gather `n - 1`, a permute one).
 
     Presets are in `eqxshard.LINKS` by name, e.g. `"nvlink4"`, `"infiniband_ndr"`.
+
+    !!! Example
+
+        ```python
+        print(eqxshard.LINKS["inter_node"])  # Link(bandwidth=5e+10, latency=5e-06)
+        measured = eqxshard.Link(bandwidth=20e9, latency=8e-6)  # e.g. from nccl-tests
+        links = {"data": measured, "model": "nvlink4"}  # auto_plan(..., links=links)
+        ```
     """
 
     bandwidth: float
@@ -54,6 +62,10 @@ LINKS: dict[str, Link] = {
     "infiniband_hdr": Link(bandwidth=25e9, latency=5e-6),  # 200 Gbit/s
     "ethernet_100g": Link(bandwidth=12.5e9, latency=20e-6),  # 100 Gbit/s, TCP
 }
+"""`auto_plan`'s `Link` presets by name: `"nvlink4"`, `"nvlink3"`, `"pcie4"`, `"pcie5"`,
+`"tpu_v5e_ici"` within a node; `"infiniband_ndr"`, `"infiniband_hdr"`, `"ethernet_100g"`
+between nodes; `"intra_node"` (`"nvlink4"`) and `"inter_node"` (`"infiniband_ndr"`).
+Nominal per-device, per-direction rates from the vendors' data sheets, rounded."""
 LINKS["intra_node"] = LINKS["nvlink4"]
 LINKS["inter_node"] = LINKS["infiniband_ndr"]
 
