@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -31,7 +32,7 @@ from jax.sharding import PartitionSpec as P, SingleDeviceSharding
 
 import eqxshard
 from eqxshard import filter_restore, filter_save, latest_step
-from eqxshard._checkpoint import save as _checkpoint
+from eqxshard._checkpoint import save as _checkpoint, store as _store
 
 
 def placed_model(kind: str = "explicit", seed: int = 0):
@@ -512,3 +513,119 @@ def test_a_damaged_first_step_has_no_good_step_before(tmp_path: Path) -> None:
         filter_restore(
             tmp_path, {"w": jax.ShapeDtypeStruct((4,), jnp.float32)}, jax.devices()[0], step=1
         )
+
+
+# ----------------------------------------------------------------------------- faults
+
+
+def test_a_step_not_complete_once_committed_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A second writer of the same step (another process or run) can leave the step
+    committed but incomplete; the save that "succeeded" said nothing before."""
+    from orbax.checkpoint._src.path import atomicity
+
+    commit = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def clobbered(self, *args, **kwargs):
+        await commit(self, *args, **kwargs)
+        final = Path(str(self.get_final()))
+        if final.name == "2":  # the step directory, once committed
+            (final / "default" / "_METADATA").unlink()
+
+    step_dir = re.escape(str(tmp_path / "2"))
+    for wait in [True, False]:
+        monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", clobbered)
+        with pytest.raises(
+            OSError,
+            match=rf"wrote step 2 to .*, but the step is not complete on disk \({step_dir}/"
+            rf"default/_METADATA is missing\)\. Another process(.|\n)*delete {step_dir} and",
+        ):
+            filter_save(tmp_path, 2, {"w": jnp.ones(4)}, wait=wait).wait()
+        monkeypatch.undo()
+        with pytest.warns(UserWarning, match="eqxshard skips step 2"):
+            assert latest_step(tmp_path) is None
+        if wait:
+            _store._WARNED.clear()
+            shutil.rmtree(tmp_path / "2")
+
+
+@pytest.mark.heavy
+def test_ctrl_c_in_a_save_leaves_it_to_be_finished(tmp_path: Path) -> None:
+    """Ctrl-C while `filter_save` waits: orbax's threads go on writing. The step is then
+    finished by the next save to the directory, or at exit (before, orbax's threads
+    were cut off at exit, with pages of tracebacks, and left a temporary directory)."""
+    code = (
+        "import os, sys, jax.numpy as jnp, eqxshard\n"
+        "from eqxshard._checkpoint import async_save\n"
+        "real = async_save._wait_for\n"
+        "def interrupted(*args):\n"  # Ctrl-C while the step is being written
+        "    async_save._wait_for = real\n"
+        "    raise KeyboardInterrupt\n"
+        "d, tree = sys.argv[1], {'w': jnp.arange(256.0**2).reshape(256, 256)}\n"
+        "async_save._wait_for = interrupted\n"
+        "try:\n"
+        "    eqxshard.filter_save(d, 2, tree)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+        "eqxshard.filter_save(d, 3, tree)\n"
+        "print(sorted(os.listdir(d)))\n"
+        "async_save._wait_for = interrupted\n"
+        "eqxshard.filter_save(d, 4, tree)\n"  # not caught: Python ends
+    )
+    done = _run_script(code, str(tmp_path))
+    assert done.returncode == -2 and "\nKeyboardInterrupt\n" in done.stderr  # as Ctrl-C ends
+    assert done.stdout.splitlines() == ["interrupted", "['2', '3']"]
+    assert f"eqxshard: finishing the save of step 4 to {tmp_path} (its wait" in done.stderr
+    assert "cannot schedule new futures" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2", "3", "4"]
+    assert latest_step(tmp_path) == 4
+    like = {"w": jax.ShapeDtypeStruct((256, 256), jnp.float32)}
+    out = filter_restore(tmp_path, like, jax.devices()[0], step=2)
+    assert_tree_values(out, {"w": jnp.arange(256.0**2).reshape(256, 256)})
+
+
+def test_a_directory_that_cannot_be_created(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(path, exist_ok=False):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(_checkpoint.os, "makedirs", denied)
+    with pytest.raises(
+        PermissionError,
+        match=r"cannot create `directory` .*/run: Permission denied\. Pass a directory",
+    ):
+        filter_save(tmp_path / "run", 0, {"w": jnp.ones(2)})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_save_removes_what_killed_saves_of_earlier_steps_left(tmp_path: Path) -> None:
+    """A save killed midway leaves `N.orbax-checkpoint-tmp` (as SIGKILL leaves it); it
+    never counts, and orbax's `max_to_keep` never removed it."""
+    tree = {"w": jnp.ones(4)}
+    for step in [1, 2, 3]:
+        filter_save(tmp_path, step, tree)
+    for name in ["2.orbax-checkpoint-tmp", "4.orbax-checkpoint-tmp", "9.orbax-checkpoint-tmp"]:
+        (tmp_path / name / "default.orbax-checkpoint-tmp").mkdir(parents=True)
+        (tmp_path / name / "_CHECKPOINT_METADATA").write_text("{}")
+    assert latest_step(tmp_path) == 3
+    filter_save(tmp_path, 5, tree, max_to_keep=2)
+    # Step 2's leftover was pruned in place of step 2 before: three steps were kept.
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "5", "9.orbax-checkpoint-tmp"]
+
+
+@pytest.mark.heavy
+def test_a_background_save_is_finished_when_one_process_fails(tmp_path: Path) -> None:
+    """An uncaught exception ends a one-process run: the running save is still finished."""
+    code = (
+        "import sys, jax.numpy as jnp, eqxshard\n"
+        "eqxshard.filter_save(sys.argv[1], 3, {'w': jnp.arange(512.0**2).reshape(512, 512)},"
+        " wait=False)\n"
+        "raise RuntimeError('the training step failed')\n"
+    )
+    done = _run_script(code, str(tmp_path))
+    assert done.returncode == 1 and "RuntimeError: the training step failed" in done.stderr
+    assert "cannot schedule new futures" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
+    assert latest_step(tmp_path) == 3

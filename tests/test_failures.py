@@ -56,6 +56,21 @@ eqxshard: process 0 ended by an uncaught ValueError (exit code 1), without waiti
 GLOO_LOOPBACK = """\
 jax.errors.JaxRuntimeError: UNKNOWN: Gloo context initialization failed: [external/gloo/gloo/transport/tcp/pair.cc:152] timed out connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:7085$0
 """  # noqa: E501
+# Process 1 hung; process 0 reached the end of the script (`initialize(
+# shutdown_timeout_seconds=5)`, `python -m eqxshard.launch -n 2`): both print this.
+SHUTDOWN_BARRIER = """\
+[0] p0 done
+E1125 18:36:00.457182   23615 coordination_service.cc:1520] [11197648042492692161] Shutdown barrier in coordination service has failed:
+DEADLINE_EXCEEDED: Barrier timed out. Id: Shutdown::11197648042492692161::0. This usually happens because a task triggered the barrier too early or too slowly. Please look at the task logs (both timed out and first task) to debug further.
+# of tasks that reached the barrier: 1/2.
+The first task at the barrier: 0. Some timed out task names:
+1
+ [type.googleapis.com/tensorflow.BarrierError='\\n\\x1eShutdown::11197648042492692161'] [type.googleapis.com/tensorflow.CoordinationServiceError='']
+F1125 18:36:00.457634   22780 client.h:80] Terminating process because the JAX distributed service detected fatal errors. This most likely indicates that another task died; see the other task logs for more details. Disable Python buffering, i.e. `python -u`, to be sure to see all the previous output. absl::Status: INTERNAL: Failed to disconnect from coordination service with status: INTERNAL: Shutdown barrier has failed.
+
+RPC: /xla.coordination.CoordinationService/ShutdownTask [type.googleapis.com/tensorflow.CoordinationServiceError='']
+*** Check failure stack trace: ***
+"""  # noqa: E501
 
 PEERS = {"0": ["node1", "10.23.0.1"], "1": ["node2", "10.23.0.2"]}
 
@@ -190,3 +205,23 @@ def test_tell_without_a_watcher_does_nothing(capfd):
     assert not watch.started()
     watch.tell(checkpoint=["/x", 1])
     assert capfd.readouterr().err == ""
+
+
+def test_a_process_that_did_not_reach_the_end_of_the_script():
+    """It said "lost the coordinator ... start the run again" before: the run lost
+    nothing, one process hung while the others had ended."""
+    line = failures.explain(SHUTDOWN_BARRIER, info(0))
+    assert line is not None
+    assert line.startswith(
+        "eqxshard: process 0 on node1 reached the end of the script, but process 1 (host "
+        "node2, address 10.23.0.2) did not within the shutdown timeout: it is still working, "
+        "or hung"
+    )
+    assert "shutdown_timeout_seconds" in line and "`--timeout`" in line
+    assert "lost the coordinator" not in line
+    line = failures.explain(SHUTDOWN_BARRIER, info(1))
+    assert line is not None
+    assert line.startswith(
+        "eqxshard: process 1 on node2 did not reach the end of the script within the shutdown "
+        "timeout, while other processes of the run had and waited for it"
+    )

@@ -134,6 +134,31 @@ def test_cli_errors(capsys):
     assert "`num_processes` must be at least 1, got 0" in capsys.readouterr().err
     assert _launch.main(["-n", "1", "--", "./no-such-program"]) == 127
     assert "cannot run './no-such-program'" in capsys.readouterr().err
+    # A script that does not exist: one line, before any process is started (each
+    # process printed a traceback of the runner before).
+    assert _launch.main(["-n", "2", "--", "no-such-script.py", "--flag"]) == 127
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "[Errno 2] no such script: " in err
+    assert "no-such-script.py; nothing was started" in err
+    with pytest.raises(FileNotFoundError, match="no such script: .*nothing was started"):
+        _launch.launch(["no-such-script.py"], num_processes=2)
+
+
+@pytest.mark.heavy
+def test_the_runner_says_a_missing_script_as_python_does(tmp_path):
+    runner = Path(_launch.__file__).with_name("run_main.py")
+    done = subprocess.run(
+        [sys.executable, str(runner), "gone.py"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    plain = subprocess.run(
+        [sys.executable, "gone.py"], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert (done.returncode, done.stderr) == (plain.returncode, plain.stderr) == (2, plain.stderr)
+    assert "can't open file" in done.stderr and "Traceback" not in done.stderr
 
 
 # ----------------------------------------------------------------------------- runs

@@ -13,7 +13,11 @@ import pytest
 
 import eqxshard
 from eqxshard import _compat
-from eqxshard._processes import clusters as _clusters, initialize as _initialize
+from eqxshard._processes import (
+    addresses as _addresses,
+    clusters as _clusters,
+    initialize as _initialize,
+)
 
 LAUNCHER_VARS = (
     _initialize.PROCESS_ID_VAR,
@@ -397,3 +401,49 @@ def test_mpi_variables_not_integers(recorder, monkeypatch):
     with pytest.raises(ValueError, match=r"OMPI_COMM_WORLD_RANK='one' is not an integer"):
         eqxshard.initialize()
     assert recorder.calls == []
+
+
+def test_a_taken_coordinator_port_is_said_before_jax_is_called(recorder, monkeypatch):
+    """JAX's own answer to a taken port is a bare "Failed to start RPC server", or a
+    SIGSEGV; process 0 says which port is taken instead, before calling JAX."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        monkeypatch.setenv(_initialize.COORDINATOR_VAR, address)
+        monkeypatch.setenv(_initialize.NUM_PROCESSES_VAR, "2")
+        monkeypatch.setenv(_initialize.PROCESS_ID_VAR, "0")
+        match = f"could not start the coordinator of the run \\(process 0\\) at {address}: its port"
+        with pytest.raises(RuntimeError, match=match):
+            eqxshard.initialize()
+        assert recorder.calls == []
+        # Another process of the run only connects to it: no check there.
+        monkeypatch.setenv(_initialize.PROCESS_ID_VAR, "1")
+        recorder.joins = 2
+        assert eqxshard.initialize() == "eqxshard.launch"
+    assert len(recorder.calls) == 1
+
+
+def test_jax_failing_to_start_the_coordinator_is_the_same_error(recorder, monkeypatch):
+    def fail(**kwargs):
+        raise RuntimeError("UNKNOWN: Failed to start RPC server")
+
+    monkeypatch.setattr(jax.distributed, "initialize", fail)
+    monkeypatch.setattr(_addresses, "port_taken", lambda address: False)  # taken just after
+    monkeypatch.setenv(_initialize.COORDINATOR_VAR, "127.0.0.1:4321")
+    monkeypatch.setenv(_initialize.NUM_PROCESSES_VAR, "2")
+    monkeypatch.setenv(_initialize.PROCESS_ID_VAR, "0")
+    with pytest.raises(RuntimeError, match=r"at 127.0.0.1:4321: its port is taken") as info:
+        eqxshard.initialize()
+    assert "Failed to start RPC server" in str(info.value.__cause__)
+
+
+def test_port_taken():
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        other.listen()
+        assert _addresses.port_taken(f"127.0.0.1:{port}")
+        assert _addresses.port_taken(f"somehost:{port}")
+    assert not _addresses.port_taken(f"127.0.0.1:{port}")
+    assert not _addresses.port_taken("no-port")

@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from .damage import damage
+
 
 class AsyncSave:
     """A save started by `filter_save`; `wait()` blocks until it is on disk.
@@ -27,11 +29,17 @@ class AsyncSave:
         self.directory, self.step = directory, step
         self._manager: Any = manager
         self._lock = threading.Lock()
+        self._interrupted = False  # its `wait()` was stopped by Ctrl-C
 
     def wait(self) -> None:
         """Blocks until the checkpoint is written and committed (a no-op once it is).
 
-        If the write failed, raises its error; the partial step is removed.
+        If the write failed, raises its error; the partial step is removed. If the step
+        is not complete on disk once committed (e.g. another process saved the same step
+        into the directory at the same time), raises `OSError` saying so. Interrupted by
+        Ctrl-C (`KeyboardInterrupt`), the save goes on running, as one of `wait=False`:
+        `wait()` again, the next `filter_save` to the directory or the exit of Python
+        finishes it.
         """
         with self._lock:
             if self._manager is None:
@@ -39,6 +47,14 @@ class AsyncSave:
             manager, self._manager = self._manager, None
         try:
             _wait_for(manager, self.directory, self.step)
+        except KeyboardInterrupt:
+            # Ctrl-C: orbax's threads go on writing. The save stays running, as one of
+            # `wait=False`: the next save to the directory, a later `wait()` or the exit
+            # of Python finishes it (a step is never left half-written by its threads
+            # being stopped at exit).
+            with self._lock:
+                self._manager, self._interrupted = manager, True
+            raise
         except BaseException:
             # No `manager.close()`: in a run of several processes it waits at a barrier
             # for the others, which wait for this process's part of the save.
@@ -52,6 +68,17 @@ class AsyncSave:
         finally:
             if _PENDING.get(self.directory) is self:
                 del _PENDING[self.directory]
+        # Process 0 committed the step (renamed its directory); another host may not see
+        # that yet through its filesystem's caches (NFS), so it does not check.
+        problem = damage(self.directory, self.step) if jax.process_index() == 0 else None
+        if problem is not None:
+            raise OSError(
+                f"`filter_save` wrote step {self.step} to {self.directory}, but the step is "
+                f"not complete on disk ({problem}). Another process or run may have saved "
+                "the same step into this directory at the same time, or the directory was "
+                "changed during the save. The step does not count (`latest_step` skips "
+                f"it): delete {os.path.join(self.directory, str(self.step))} and save again."
+            )
         for hook in ON_COMPLETE:
             hook(self.directory, self.step)
 
@@ -152,6 +179,19 @@ def _remove_partial(directory: str, step: int) -> None:
                     pass
 
 
+def _remove_leftovers(directory: str, step: int) -> None:
+    """Removes the temporary directories of saves of steps before `step` that were killed
+    (they never count; orbax's `max_to_keep` never removes them, or removes one of them
+    in place of a step)."""
+    if "://" in directory or not os.path.isdir(directory):
+        return
+    for name in os.listdir(directory):
+        number, dot, rest = name.partition(".")
+        if dot and rest.startswith("orbax-checkpoint-tmp") and number.isdigit():
+            if int(number) < step:
+                _remove_partial(directory, int(number))
+
+
 def _release_waiting_threads() -> None:
     """After a failed save, wakes orbax's writer threads that still wait for the step
     directory to be created (otherwise each waits out orbax's timeout, minutes, and holds
@@ -176,6 +216,13 @@ def unfinished_saves() -> list[AsyncSave]:
 def _wait_all() -> None:
     """Finishes every running save at exit, saying loudly which ones failed."""
     for pending in list(_PENDING.values()):
+        if pending._interrupted and pending._manager is not None:
+            print(
+                f"eqxshard: finishing the save of step {pending.step} to {pending.directory} "
+                "(its wait was interrupted) before Python exits.",
+                file=sys.stderr,
+                flush=True,
+            )
         try:
             pending.wait()
         except BaseException as e:

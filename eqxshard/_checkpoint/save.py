@@ -27,6 +27,7 @@ from .async_save import (
     AsyncSave as AsyncSave,
     _capture_write_errors,
     _release_waiting_threads,
+    _remove_leftovers,
     _remove_partial,
     _wait_at_exit,
 )
@@ -79,10 +80,13 @@ def filter_save(
         later `filter_save` to the same directory first waits for the one before. When
         the program ends normally (also by `sys.exit(0)`), Python finishes every running
         save before it exits; one that fails then is reported on stderr as not on disk.
-        A process ended by an error in a run joined by `initialize` does not wait.
+        A one-process run does so also when it ends by `sys.exit(n)` or an uncaught
+        exception; a process ended by an error in a run joined by `initialize` does not
+        wait, and one killed or ended by `os._exit` cannot.
 
     Everything is checked before anything is written. A save that fails leaves no
-    partial step behind (orbax's temporary directory is removed).
+    partial step behind (orbax's temporary directory is removed). The temporary
+    directories of killed saves of earlier steps are removed.
 
     **Returns:**
 
@@ -97,6 +101,9 @@ def filter_save(
         already saved in `directory`, two leaves share a dotted path, `tree` has no array
         leaf, or a leaf has a zero-size dimension.
     - `NotADirectoryError`: if `directory` or a folder above it is a file.
+    - `OSError` (e.g. `PermissionError`): if `directory` cannot be created.
+    - `OSError`: if the step is not complete on disk once committed (e.g. another process
+        saved the same step into `directory` at the same time).
     - Any error of the write itself (e.g. `OSError` on a full disk).
 
     !!! Example
@@ -166,6 +173,17 @@ def filter_save(
     for name, i in names.items():
         leaf = flat.leaves[i]
         arrays[name] = jax.random.key_data(leaf) if _compat.is_prng_key(leaf) else leaf
+    if jax.process_index() == 0:
+        _remove_leftovers(directory, step)
+    if "://" not in directory:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise type(e)(
+                e.errno,
+                f"`filter_save` cannot create `directory` {directory}: {e.strerror}. Pass a "
+                "directory this process can write to.",
+            ) from e
     manager = _manager(
         ocp, directory, create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True
     )

@@ -5,7 +5,6 @@ leaves are saved under. Shared by `filter_save`, `latest_step` and `filter_resto
 
 from __future__ import annotations
 
-import json
 import os
 import warnings
 from typing import Any
@@ -17,6 +16,7 @@ from .._tree import Flat, leaf_error, pathstr
 from .async_save import (
     AsyncSave as AsyncSave,
 )
+from .damage import damage as damage
 
 # (directory, step) of the damaged steps already warned about, so that each is said once.
 _WARNED: set[tuple[str, int]] = set()
@@ -106,28 +106,6 @@ def _all_steps(ocp: Any, directory: str) -> list[int]:
     if "://" not in directory and not os.path.isdir(directory):
         return []
     return sorted(ocp.utils.checkpoint_steps(directory))
-
-
-def damage(directory: str, step: int) -> str | None:
-    """What is missing or unreadable in step `step` of `directory`, or `None` if its
-    metadata is complete (array data is only read by `filter_restore`). URLs are not
-    checked."""
-    if "://" in directory:
-        return None
-    step_dir = os.path.join(directory, str(step))
-    if not os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
-        return f"{step_dir}/_CHECKPOINT_METADATA is missing"
-    metadata = os.path.join(step_dir, "default", "_METADATA")
-    if not os.path.isfile(metadata):
-        return f"{metadata} is missing"
-    try:
-        with open(metadata) as f:
-            tree = json.load(f)["tree_metadata"]
-        if not isinstance(tree, dict):
-            raise TypeError(type(tree).__name__)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{metadata} is unreadable ({type(e).__name__}: {e})"
-    return None
 
 
 def _steps(ocp: Any, directory: str, *, warn: bool = True) -> list[int]:

@@ -12,6 +12,7 @@ another host of the run): the address of the interface that reaches them.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import socket
 from collections.abc import Sequence
@@ -83,3 +84,27 @@ def loopback_fix(coordinator: str, other_hosts: Sequence[str] = ()) -> tuple[str
     if (coordinator_address is None or is_loopback(coordinator_address)) and not remote:
         raise LookupError(name)  # a run on this machine: loopback is right
     return name, resolved or "(nothing)", reachable_address(coordinator, remote)
+
+
+def port_taken(address: str) -> bool:
+    """Whether another program listens on the port of `address` (`host:port`) here, where
+    process 0 is about to start the coordinator on all interfaces, as JAX does. A port
+    left in TIME_WAIT by an earlier run is free (JAX's server reuses it)."""
+    _, _, port_text = address.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        return False
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here: the IPv4 one
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as e:
+                return e.errno == errno.EADDRINUSE
+            return False
+    return False

@@ -39,6 +39,11 @@ UNHEALTHY = re.compile(
 # A barrier (or any call) of the coordination service failing on a task it took as lost.
 TASK_TIMEOUT = re.compile(r"Task (\d+) heartbeat timeout")
 FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+# JAX's barrier at the end of the script, which some processes did not reach in time.
+SHUTDOWN = re.compile(
+    r"Barrier timed out\. Id: Shutdown::.*?Some timed out task names:\s*\n((?:\s*\d+\s*\n)+)",
+    re.S,
+)
 GLOO_PEER = re.compile(
     r"Gloo ([\w-]+) failed: .*?(Connection (?:closed|reset) by peer|Connection refused|"
     r"Timed out|Socket closed)[^\[\n]*(?:\[([0-9a-fA-F.:]+)\]:\d+)?"
@@ -133,6 +138,27 @@ def explain(text: str, info: dict[str, Any]) -> str | None:
             f"eqxshard: {here} lost {lost}: it stopped sending heartbeats{within} "
             "(crashed, killed, stopped, or its link cut), as JAX's coordination service "
             f"reported. This process ends too. {checkpoint} {_todo(info, lost)}"
+        )
+    shutdown = SHUTDOWN.search(text)
+    if shutdown:
+        late = [int(t) for t in shutdown.group(1).split()]
+        bounds = (
+            "`initialize(shutdown_timeout_seconds=...)` sets how long the others wait "
+            "(JAX's default: 300 s), the launcher's `--timeout` bounds the whole run."
+        )
+        if me in late:
+            return (
+                f"eqxshard: {here} did not reach the end of the script within the shutdown "
+                "timeout, while other processes of the run had and waited for it: it was "
+                f"still working, or hung. This process ends too. {checkpoint} Look at what "
+                f"it was doing (its log above). {bounds}"
+            )
+        lagging = ", ".join(_peer(info, t) for t in late)
+        return (
+            f"eqxshard: {here} reached the end of the script, but {lagging} did not within "
+            "the shutdown timeout: it is still working, or hung (the processes of a run end "
+            f"together). This process ends too. {checkpoint} Look at the log of {lagging}. "
+            f"{bounds}"
         )
     if FATAL in text or "CoordinationService/" in text:
         coordinator = _peer(info, 0)

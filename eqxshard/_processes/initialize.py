@@ -8,11 +8,12 @@ run ends up with is checked against the one the launcher said.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
 
-from . import clusters, joining
+from . import addresses, clusters, joining
 from .clusters import (
     COORDINATOR_VAR as COORDINATOR_VAR,
     NUM_PROCESSES_VAR as NUM_PROCESSES_VAR,
@@ -165,6 +166,7 @@ def initialize(
     - `RuntimeError`: if the run has another process count than the environment says
       (the variables seen are in the message).
     - `RuntimeError`: from JAX, if a JAX computation already ran in this process.
+    - `RuntimeError`: on process 0, if the coordinator's port is taken.
     """
     _check_arguments(
         initialization_timeout, heartbeat_timeout_seconds, shutdown_timeout_seconds, exit_on_error
@@ -183,8 +185,24 @@ def initialize(
         value = joining.launcher_timeout(name, value)
         if value is not None:
             timeouts[name] = value
+    address = join.kwargs.get("coordinator_address") or os.environ.get(clusters.COORDINATOR_VAR)
+    # JAX cannot start the coordinator on a taken port: it raises a bare "Failed to start
+    # RPC server", or crashes (SIGSEGV). Say so first.
+    taken = (
+        f"`initialize` could not start the coordinator of the run (process 0) at {address}: "
+        "its port is taken (by another program, or a run before this one that still holds "
+        f"it). Pick a free port (the launcher's `--port`, or `{clusters.COORDINATOR_VAR}`), "
+        "or end what holds it."
+    )
+    if join.kwargs.get("process_id") == 0 and address and addresses.port_taken(address):
+        raise RuntimeError(taken)
     joining.before(join, timeouts)
-    jax.distributed.initialize(**join.kwargs, **timeouts)
+    try:
+        jax.distributed.initialize(**join.kwargs, **timeouts)
+    except Exception as e:
+        if "Failed to start RPC server" in str(e):
+            raise RuntimeError(taken) from e
+        raise
     _check_count(join)
     if jax.process_count() > 1:
         joining.after()

@@ -19,6 +19,7 @@ started) are ever signalled. The launcher never starts a JAX backend of its own.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -146,7 +147,8 @@ def launch(
       names a host twice, `remote` has no `{host}`, or `num_processes` disagrees with
       `hosts`.
     - `OSError`: if a process cannot be started (the program or template is missing);
-      the message names the process and host.
+      the message names the process and host. `FileNotFoundError`, before anything is
+      started, if the script (`script.py`) of a run on this machine does not exist.
     """
     _check_hosts_arguments(
         hosts, processes_per_host, remote, max_restarts, heartbeat_timeout, initialization_timeout
@@ -162,6 +164,10 @@ def launch(
         num_processes = total
     _check_arguments(command, num_processes, devices_per_process, port, timeout, grace, env)
     assert num_processes is not None
+    if hosts is None and command[0].endswith(".py") and not os.path.exists(command[0]):
+        raise FileNotFoundError(
+            errno.ENOENT, f"no such script: {os.path.abspath(command[0])}; nothing was started"
+        )
     template = check_template(remote) if hosts is not None else []
     base = dict(os.environ if env is None else env)
     out, err = sys.stdout.buffer, sys.stderr.buffer

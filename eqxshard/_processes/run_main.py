@@ -24,6 +24,13 @@ def main(argv: list[str]) -> None:
         run = lambda: runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         path = argv[0]
+        if not os.path.exists(path):  # as `python script.py` says it, not a traceback
+            print(
+                f"{sys.executable}: can't open file {os.path.abspath(path)!r}: [Errno 2] No "
+                "such file or directory",
+                file=sys.stderr,
+            )
+            sys.exit(2)
         sys.argv = list(argv)
         sys.path[0] = os.path.dirname(os.path.abspath(path))  # as `python script.py` has it
         run = lambda: runpy.run_path(path, run_name="__main__")
