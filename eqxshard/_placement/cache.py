@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 from .. import _compat
-from . import place, staging
+from . import place, staging, targets
 
 # Call signatures kept (the least recently used goes first); shapes kept per signature.
 MAX_PLANS = 64
@@ -148,6 +148,33 @@ def lookup(
     moves = None if found is None else found[1].get(shapes)
     _counts["misses" if moves is None else "hits"] += 1
     return Lookup(key, (indices, shapes), moves)
+
+
+MISSED = object()  # what `recall` gives for a call with no remembered moves
+
+
+def recall(tree: Any, call: tuple[Any, ...], *, target: Any, spec: Any) -> tuple[Any, Lookup]:
+    """`tree` placed by the moves remembered for this call of a placement verb (`MISSED`
+    if there are none), and the lookup for `remember` to store under."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    found = lookup(
+        leaves,
+        treedef,
+        call,
+        target=target,
+        spec=spec,
+        target_leaf=targets.is_target_leaf,
+        spec_leaf=targets.is_spec_leaf,
+    )
+    if found.moves is None:
+        return MISSED, found
+    return place_tree(tree, leaves, treedef, found.moves), found
+
+
+def remember(found: Lookup, shardings: dict[int, Sharding]) -> None:
+    """Stores the moves of a call resolved in full, where `recall` said it may be."""
+    if found.key is not None and (moves := moves_of(shardings)) is not None:
+        store(found, moves)
 
 
 def store(found: Lookup, moves: Moves) -> None:

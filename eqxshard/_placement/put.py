@@ -105,20 +105,13 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
             f"`filter_put` takes `memory_kind` as a string such as 'pinned_host' or 'device', "
             f"but got {memory_kind!r} of type {type(memory_kind).__name__}."
         )
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
     found = cache.NEVER
     if target is not None:  # without a target, each leaf's own layout: nothing to remember
-        found = cache.lookup(
-            leaves,
-            treedef,
-            ("filter_put", memory_kind),
-            target=target,
-            spec=resolve.UNSET,
-            target_leaf=targets.is_target_leaf,
-            spec_leaf=targets.is_spec_leaf,
+        put, found = cache.recall(
+            tree, ("filter_put", memory_kind), target=target, spec=resolve.UNSET
         )
-    if found.moves is not None:
-        return cache.place_tree(tree, leaves, treedef, found.moves)
+        if put is not cache.MISSED:
+            return put
     flat = Flat(tree)
     sync = resolve.must_sync(target)
     if not any(flat.is_array) and not sync:  # see `filter_shard`
@@ -139,10 +132,8 @@ def filter_put(tree: T, target: Any = None, *, memory_kind: str | None = None) -
         }
     given = {i: s for i, s in shardings.items() if s is not None}
     placed = place.place("filter_put", flat, given)
-    if found.key is not None and len(given) == len(shardings):
-        moves = cache.moves_of(given)
-        if moves is not None:
-            cache.store(found, moves)
+    if len(given) == len(shardings):
+        cache.remember(found, given)
     if memory_kind is not None:  # traced leaves with no known layout: JAX keeps it
         for i, s in shardings.items():
             if s is None:

@@ -11,7 +11,7 @@ from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import PyTree
 
 from .._tree import Flat, T
-from . import cache, place, resolve, targets
+from . import cache, place, resolve
 
 SpecLike = PartitionSpec | PyTree[PartitionSpec | None] | Callable[[Any, Any], Any] | None
 
@@ -142,20 +142,14 @@ def filter_shard(
     spec = resolve.UNSET if spec is None else spec
     # A call like one seen before (same tree structure, leaf types, shapes, dtypes,
     # target and spec) is placed from its remembered moves, skipping the checks it passed.
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    found = cache.NEVER
     if not process_local:
-        found = cache.lookup(
-            leaves,
-            treedef,
-            ("filter_shard", check_consistent),
-            target=target,
-            spec=spec,
-            target_leaf=targets.is_target_leaf,
-            spec_leaf=targets.is_spec_leaf,
+        placed, found = cache.recall(
+            tree, ("filter_shard", check_consistent), target=target, spec=spec
         )
-    if found.moves is not None:
-        return cache.place_tree(tree, leaves, treedef, found.moves)
+        if placed is not cache.MISSED:
+            return placed
+    else:
+        found = cache.NEVER
     flat = Flat(tree)
     # With several processes, a call that spans them checks its leaves with the other
     # processes even if this process has no arrays (theirs may differ).
@@ -177,9 +171,7 @@ def filter_shard(
         process_local=process_local,
         check_consistent=check_consistent,
     )
-    moves = None if found.key is None else cache.moves_of(shardings)
-    if moves is not None:
-        cache.store(found, moves)
+    cache.remember(found, shardings)
     return flat.rebuild(placed) if placed else tree
 
 
@@ -225,25 +217,14 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
             "To replicate on a device or a sharding, use `filter_shard(tree, target)`."
         )
     target = resolve.UNSET if mesh is None else mesh
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    found = cache.lookup(
-        leaves,
-        treedef,
-        ("filter_replicate",),
-        target=target,
-        spec=resolve.UNSET,
-        target_leaf=targets.is_target_leaf,
-        spec_leaf=targets.is_spec_leaf,
-    )
-    if found.moves is not None:
-        return cache.place_tree(tree, leaves, treedef, found.moves)
+    replicated, found = cache.recall(tree, ("filter_replicate",), target=target, spec=resolve.UNSET)
+    if replicated is not cache.MISSED:
+        return replicated
     flat = Flat(tree)
     sync = resolve.must_sync(target)
     if not any(flat.is_array) and not sync:
         return tree
     shardings = resolve.resolve("filter_replicate", flat, target, resolve.UNSET)
     placed = place.place("filter_replicate", flat, shardings)
-    moves = None if found.key is None else cache.moves_of(shardings)
-    if moves is not None:
-        cache.store(found, moves)
+    cache.remember(found, shardings)
     return flat.rebuild(placed) if placed else tree
