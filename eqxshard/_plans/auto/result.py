@@ -92,8 +92,9 @@ class Plan:
         raise ValueError(
             f"`Plan.{verb}` needs the devices, but this plan is for {self.mesh.size} devices "
             f"and this process has {jax.device_count()}. On the cluster, build the mesh "
-            f"`jax.make_mesh({tuple(shape.values())}, {tuple(shape)})` and pass it with "
-            "`plan.rules` to `filter_shard` / `filter_init` (and `plan.batch_spec` for the "
+            f"`jax.make_mesh({tuple(shape.values())}, {tuple(shape)}, "
+            f"axis_types=(AxisType.Auto,) * {len(shape)})` (Auto axes, as planned) and pass it "
+            "with `plan.rules` to `filter_shard` / `filter_init` (and `plan.batch_spec` for the "
             "batch)."
         )
 
