@@ -45,7 +45,9 @@ class TiedAttention(eqx.Module):
         embedding, head = self.tied()
         x = jax.vmap(embedding)(tokens)
 
-        def rotate(q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, ...]:
+        def rotate(
+            q: jax.Array, k: jax.Array, v: jax.Array
+        ) -> tuple[jax.Array, jax.Array, jax.Array]:
             by_head = jax.vmap(self.rope, in_axes=1, out_axes=1)
             return by_head(q), by_head(k), v
 
