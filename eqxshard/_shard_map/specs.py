@@ -33,7 +33,7 @@ def scalars_as_arrays(tree: Any, specs: Any, argname: str) -> Any:
         return tree
     if (callable(specs) and not _is_spec_leaf(specs)) or hasattr(specs, "spec_for"):
         return tree  # a callable spec is only called on array leaves
-    values, on_leaf = broadcast_prefix(
+    values, on_leaf, _ = broadcast_prefix(
         specs, tree, is_leaf=_is_spec_leaf, argname=argname, verb=_VERB
     )
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
