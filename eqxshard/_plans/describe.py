@@ -93,8 +93,8 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         shardings.
         An `AbstractMesh` of any size sizes a run before having its devices
         (see docs/sizing.md).
-    - `spec`: as for `filter_shard`: a `PartitionSpec`, a prefix PyTree, a callable or a
-        rule.
+    - `spec`: as for `filter_shard`: a `PartitionSpec`, a callable, a rule, or a prefix
+        PyTree of these (`(fsdp("data"), like(params))` for `(model, opt_state)`).
 
     **Returns:**
 
