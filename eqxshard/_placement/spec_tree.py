@@ -87,6 +87,18 @@ def per_leaf_specs(flat: Flat, spec: Any, *, unset: Any, verb: str) -> list[Any]
     return out
 
 
+def forms_per_leaf(flat: Flat, spec: Any, *, verb: str) -> list[tuple[Any, Path]]:
+    """The form `spec` gives each leaf and the leaf's path relative to where that form
+    was given (for a summary of what each rule did; no callable is called)."""
+    if is_spec_form(spec) or not _is_tree(spec):
+        return [(spec, tuple(p)) for p in flat.paths]
+    forms, prefixes = spread(flat, spec, argname="spec", verb=verb, is_leaf=is_spec_form)
+    return [
+        (form, tuple(p)[len(prefix) :])
+        for form, prefix, p in zip(forms, prefixes, flat.paths, strict=True)
+    ]
+
+
 def _is_tree(x: Any) -> bool:
     """Whether `x` is a PyTree node (a tuple, dict, module, ...) rather than one value."""
     leaves = jax.tree_util.tree_leaves(x, is_leaf=is_spec_form)

@@ -93,6 +93,11 @@ class Rule:
             )
         return spec
 
+    def replicated_because(self, path: Path, leaf: Any, mesh: Mesh | AbstractMesh) -> str | None:
+        """Why this rule leaves `leaf` whole on every device, for `describe`'s summary
+        (e.g. "fewer than `min_size` elements"); `None` where it does not say."""
+        return None
+
     def __or__(self, other: Any) -> Rule:
         return first(self, other)
 
@@ -153,6 +158,12 @@ class _Prefix(Rule):
                 return self.specs[path[:k]].match(path[k:], leaf, mesh)
         return NO_MATCH
 
+    def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
+        for k in range(len(path) + 1):
+            if path[:k] in self.specs:
+                return self.specs[path[:k]].replicated_because(path[k:], leaf, mesh)
+        return None
+
 
 def as_rule(spec: Any, verb: str) -> Rule:
     """Any `spec` form as a rule: a rule, a PartitionSpec, `None`, a callable, a spec tree."""
@@ -182,6 +193,12 @@ class First(Rule):
             if spec is not NO_MATCH:
                 return spec
         return NO_MATCH
+
+    def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
+        for rule in self.rules:  # the rule that gave the leaf its spec says why
+            if rule.match(path, leaf, mesh) is not NO_MATCH:
+                return rule.replicated_because(path, leaf, mesh)
+        return None
 
     def __repr__(self) -> str:
         return " | ".join(repr(r) for r in self.rules)
