@@ -161,3 +161,27 @@ def test_a_spec_tree_with_a_mistake_says_what_a_spec_may_be() -> None:
         filter_plan((jnp.ones(8), jnp.ones(8)), mesh, (RULE, RULE, RULE))
     with pytest.raises(TypeError, match=r"a rule `spec` was given with target"):
         filter_shard((jnp.ones(8), jnp.ones(8)), jax.devices()[0], (RULE, None))
+
+
+def test_filter_shard_map_takes_a_tree_of_rules_and_specs() -> None:
+    mesh = make_mesh("auto", shape=(8,), names=("data",))
+    weights, batch = jnp.arange(64.0).reshape(8, 8), jnp.arange(32.0).reshape(16, 2)
+    seen = []
+
+    def batch_spec(path, leaf):
+        seen.append(path)
+        return P("data")
+
+    def local(w, x):
+        return (w.sum() + x.sum())[None]
+
+    out = eqxshard.filter_shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(fsdp("data", min_size=0), batch_spec),
+        out_specs=P("data"),
+    )(weights, batch)
+    # Each device sums its row of `weights` (fsdp splits dim 0) and its two rows of the batch.
+    expected = weights.sum(1) + batch.reshape(8, 4).sum(1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected))
+    assert seen == [()]  # the batch is the whole subtree the callable was given for
