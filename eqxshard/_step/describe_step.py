@@ -77,7 +77,7 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
             f"`describe_step` takes a function (a `filter_jit` step), but got "
             f"{type(step).__name__}."
         )
-    wrapper = step if isinstance(step, _JitWrapper) else filter_jit(step)
+    wrapper: Any = step if isinstance(step, _JitWrapper) else filter_jit(step)
     lowered = wrapper.lower(*args, **kwargs)
     compiled = lowered.compile().compiled
     return StepReport(
