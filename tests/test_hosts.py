@@ -93,6 +93,14 @@ def test_placements_and_the_remote_command(tmp_path: Path) -> None:
             ValueError,
             r"`num_processes` is 3, but 2 hosts x 1 processes per host make 2",
         ),
+        ({"hosts": ["a", "b"], "min_hosts": 0}, ValueError, r"`min_hosts` must be at least 1"),
+        ({"hosts": ["a", "b"], "min_hosts": "1"}, TypeError, r"`min_hosts` must be an int"),
+        (
+            {"hosts": ["a", "b"], "min_hosts": 3},
+            ValueError,
+            r"`min_hosts` is 3, but the run has 2 hosts: give at most 2",
+        ),
+        ({"min_hosts": 1}, ValueError, r"`min_hosts` \(1\) is for runs on hosts: give `hosts`"),
     ],
 )
 def test_bad_launch_arguments(kwargs, error, match) -> None:

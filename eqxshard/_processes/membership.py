@@ -111,7 +111,8 @@ class Membership:
 
     def _size(self) -> str:
         n = len(self.current())
-        return f"{n * self.processes_per_host} processes on {n} host{'s' if n != 1 else ''}"
+        k = n * self.processes_per_host
+        return f"{k} process{'es' if k != 1 else ''} on {n} host{'s' if n != 1 else ''}"
 
     def enough(self) -> bool:
         return len(self.current()) >= self.min_hosts
