@@ -148,7 +148,8 @@ def test_example_adapts_to_device_count(path: Path, devices: int):
 def test_multihost_batch_that_does_not_split_says_the_sizes_and_the_fix(tmp_path: Path):
     """As after a restart on fewer hosts: the global batch no longer divides the devices."""
     script = ROOT / "examples" / "train_multihost.py"
-    result = run_script(script, "--steps", "2", "--batch-size", "64", env={"JAX_NUM_CPU_DEVICES": "6"})
+    six = {"JAX_NUM_CPU_DEVICES": "6"}
+    result = run_script(script, "--steps", "2", "--batch-size", "64", env=six)
     assert result.returncode == 1, result.stdout + result.stderr
     assert (
         "--batch-size 64 does not split over the 6 devices of this run (1 process x 6 "

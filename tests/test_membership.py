@@ -36,9 +36,8 @@ def test_probe(tmp_path: Path) -> None:
     )
     assert found["slow"] == f"`sh {fake} slow` did not answer within 2 s"
     assert found["odd"] == f"`sh {fake} odd` exited with 127: bash: env: command not found"
-    assert probe(["/no/such/ssh", "{host}"], ["a"], {}, 2.0)["a"].startswith(
-        "`/no/such/ssh a` cannot run: "
-    )
+    missing = probe(["/no/such/ssh", "{host}"], ["a"], {}, 2.0)["a"]
+    assert missing is not None and missing.startswith("`/no/such/ssh a` cannot run: ")
 
 
 def test_membership_leaves_out_takes_in_and_stops_below_min_hosts() -> None:
@@ -130,5 +129,7 @@ def test_a_host_that_cannot_be_started_is_left_out_at_once(tmp_path: Path, capfd
     assert "[launch] 1 processes on 1 hosts, coordinator a:" in err
     code = launcher.launch([str(script)], hosts=["a", "hostX"], remote=remote, timeout=60)
     assert code == 255
-    assert "hostX` exited with 255: ssh: connect to host hostX port 22: No route to host; " \
+    assert (
+        "hostX` exited with 255: ssh: connect to host hostX port 22: No route to host; "
         "stopping the run" in capfd.readouterr().err
+    )

@@ -9,6 +9,8 @@ address, host name and `/etc/hosts`, all joined by one bridge.
 joins WORDS with spaces and runs them with `sh -c` inside node HOST, as ssh runs a command
 through the remote shell; an unknown host exits 255, as ssh does. Each command entering a
 node is bounded by `timeout -s KILL` (`ENTER_LIMIT_S`).
+`cluster.fragile(host)` makes a node die with its process: once a command in it fails,
+`enter` refuses it with ssh's 255 ("No route to host"), as for a node that is down.
 
 Names are unique per cluster (`eqxs` + 6 hex digits, so that interface names fit Linux's
 15 characters). Everything made is removed on leaving, also after a failed test: the
@@ -62,8 +64,14 @@ if [ -f "$dir/down" ]; then
   fi
   rm -f "$dir/down"
 fi
-timeout -s KILL {limit} ip netns exec "$(cat "$dir/netns")" unshare -m -u sh -c \\
-  'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"' \\
+if [ ! -f "$dir/fragile" ]; then
+  exec timeout -s KILL {limit} ip netns exec "$(cat "$dir/netns")" unshare -m -u sh -c \\
+    'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"' \\
+    enter "$dir/hosts" "$host" "$@"
+fi
+# (--foreground: the command stays in this process group, which the launcher ends.)
+timeout --foreground -s KILL {limit} ip netns exec "$(cat "$dir/netns")" unshare -m -u \\
+  sh -c 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"' \\
   enter "$dir/hosts" "$host" "$@"
 code=$?
 if [ "$code" -ne 0 ] && [ -f "$dir/fragile" ]; then

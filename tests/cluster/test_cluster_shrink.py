@@ -27,7 +27,10 @@ TRAIN = [
     "--steps", str(STEPS), "--checkpoint-every", str(EVERY), "--log-every", "1",
     "--batch-size", "48", "--resume",
 ]  # fmt: skip
-DOWN = r"`sh \S+/enter {host}` exited with 255: enter: ssh: connect to host {host} port 22: No route to host"
+DOWN = (
+    r"`sh \S+/enter {host}` exited with 255: enter: ssh: connect to host {host} port 22: "
+    r"No route to host"
+)
 
 
 def test_a_node_lost_for_good_the_run_ends_on_the_others(make_cluster, tmp_path: Path) -> None:
@@ -112,14 +115,16 @@ def test_a_node_that_comes_back_is_taken_in_again(make_cluster, tmp_path: Path) 
     ), text
     assert "[1] starting after step 3 with 2 processes" in text
     assert re.search(
-        r"\[launch\] process 1 on node2 exited with code 1; .*restarting the run \(restart 2 of 3\)",
+        r"\[launch\] process 1 on node2 exited with code 1; .*restarting the run "
+        r"\(restart 2 of 3\)",
         text,
     ), text
     assert (
         "[launch] taking node3 in again: it can be started again; the run goes on with "
         "3 processes on 3 hosts"
     ) in text
-    assert re.search(r"\[launch\] 3 processes on 3 hosts, coordinator node1:\d+ \(restart 2\)", text)
+    again = r"\[launch\] 3 processes on 3 hosts, coordinator node1:\d+ \(restart 2\)"
+    assert re.search(again, text), text
     assert "[2] step 8 of 3 processes" in text, text
     assert not cluster.is_down("node3")
 
