@@ -171,8 +171,9 @@ def _parser() -> argparse.ArgumentParser:
         "--min-hosts",
         type=int,
         default=None,
-        help="with --hosts/--hostfile and --max-restarts: restart without hosts that cannot "
-        "be started again, while at least this many remain (default: all hosts)",
+        help="with --hosts/--hostfile: go on without hosts that cannot be started (again, "
+        "at a restart of --max-restarts) while at least this many remain; a host that "
+        "answers again is taken in at a later restart (default: all hosts)",
     )
     parser.add_argument(
         "--heartbeat-timeout",
