@@ -178,3 +178,13 @@ def test_restarts_on_this_machine(tmp_path: Path, capfd) -> None:
     code = launcher.launch([str(script)], num_processes=2, max_restarts=0, grace=0.5, timeout=120)
     assert code == 3
     assert "no restarts left" not in capfd.readouterr().err
+
+
+def test_cli_min_hosts_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        launcher.main(["--hosts", "a,b", "--min-hosts", "3", "--", "x.py"])
+    assert stopped.value.code == 2
+    assert "`min_hosts` is 3, but the run has 2 hosts: give at most 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.main(["-n", "2", "--min-hosts", "1", "--", "x.py"])
+    assert "`min_hosts` (1) is for runs on hosts" in capsys.readouterr().err
