@@ -70,11 +70,14 @@ class Rule:
     """A sharding rule: gives each array leaf a `PartitionSpec` from its path, shape and mesh.
 
     Build rules with `path_rules`, `fsdp`, `logical`, `like` and `first` (or `a | b`); pass
-    one as the `spec` of `filter_shard`, `filter_plan`, `describe` or `filter_init`.
+    one (alone or in a prefix PyTree) as the `spec` of `filter_shard`, `filter_plan`, `describe`,
+    `filter_init` or `filter_restore`.
 
     To write your own, subclass `Rule` and define `match(path, leaf, mesh)` returning a
     `PartitionSpec`, `None` (leave the leaf alone) or `NO_MATCH` (let the next rule of a
-    `first(...)` decide).
+    `first(...)` decide). Optionally define `replicated_because(path, leaf, mesh)`
+    returning why the rule leaves a leaf whole on every device (or `None`): `describe`
+    sums these up below its table.
     """
 
     # What to do when no rule matches a leaf; the last line of that error.
