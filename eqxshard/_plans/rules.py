@@ -218,7 +218,8 @@ def first(*rules: Any) -> First:
     **Arguments:**
 
     - `*rules`: rules or any other `spec` form (a `PartitionSpec`, `None` to leave
-        leaves alone, a prefix PyTree of specs, a callable `(path, leaf) -> spec`).
+        leaves alone, a callable `(path, leaf) -> spec`, a prefix PyTree of these and
+        rules, whose rules see paths from the subtree they were given for).
 
     **Returns:**
 
@@ -226,7 +227,8 @@ def first(*rules: Any) -> First:
 
     **Raises:**
 
-    - `TypeError`: if no rules are given, or a spec tree has leaves that are not specs.
+    - `TypeError`: if no rules are given, or a spec tree has leaves that are not specs,
+        rules, callables or `None`.
     - `ValueError` (when resolved): for leaves that no rule matches.
 
     !!! Example
