@@ -1,5 +1,5 @@
 """`describe_step`: a `filter_jit` step compiled for its arguments, and what XLA made of
-its layouts (read from the compiled program; nothing runs)."""
+its layouts (read from the compiled program; the step does not run)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
         stderr), with what to change;
     - outputs XLA compiled in another layout than asked.
 
-    Nothing runs: the step is only lowered and compiled (JAX's compile cache makes a
-    later call of the step compile nothing new).
+    The step does not run: it is lowered and compiled for these arguments (laid out as
+    `in_shardings` asks first, as a call would; JAX's compile cache then spares a later
+    call the compile).
 
     **Arguments:**
 
