@@ -142,6 +142,10 @@ def test_training_step_on_8_devices_matches_one(zoo, kind, layout):
     except Exception as e:  # what the user gets on an Explicit mesh
         assert expected_error is not None, f"{zoo.name} failed on {kind} axes: {e}"
         assert re.search(expected_error, str(e), re.S), str(e)
+        if "out_sharding" in expected_error:  # JAX's ShardingTypeError: filter_jit's note
+            notes = "".join(getattr(e, "__notes__", ()))
+            assert "eqxshard: this step runs on a mesh with Explicit axes ('data')" in notes
+            assert "axis_types=(jax.sharding.AxisType.Auto,)" in notes
         return
     assert expected_error is None or not MEASURED, f"expected JAX to refuse: {expected_error}"
     np.testing.assert_allclose(losses, one_device_losses(zoo), rtol=2e-5)
