@@ -34,11 +34,15 @@ STEPS = 2
 ROOT = Path(__file__).resolve().parent.parent
 JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
 
+# An `eqx.nn.Embedding` lookup of a row-split batch on Explicit axes: JAX asks for the
+# gather's `out_sharding=` (jax 0.10.2), or, in a model, fails on the lookup's dynamic slice
+# with a mesh it does not find (jax 0.12).
+LOOKUP = r"out_sharding=\).*gather indexing|Resource axis: data of P\('data'.* is not found in mesh"
 # What a step raises on Explicit axes, by model and layout (data parallel: weights
 # replicated; fsdp: weights split), measured on jax 0.10.2 and 0.12; `None`: it trains.
 EXPLICIT = {
-    ("tied_attention", "dp"): r"out_sharding=\).*gather indexing",  # the Embedding lookup
-    ("tied_attention", "fsdp"): r"out_sharding=\).*gather indexing",
+    ("tied_attention", "dp"): LOOKUP,
+    ("tied_attention", "fsdp"): LOOKUP,
     ("scanned_stack", "dp"): None,
     ("scanned_stack", "fsdp"): r"carry input and carry output must have equal types",
     # BatchNorm's `state.set`: the new statistics' type carries a sharding the old lacks.
@@ -47,11 +51,7 @@ EXPLICIT = {
 }
 # The same for `filter_map` of a prediction over rows split over "data" (inference mode:
 # BatchNorm reads its running statistics, so no `state.set`).
-EXPLICIT_MAP = {
-    "tied_attention": r"out_sharding=\).*gather indexing",
-    "scanned_stack": None,
-    "conv_batchnorm": None,
-}
+EXPLICIT_MAP = {"tied_attention": LOOKUP, "scanned_stack": None, "conv_batchnorm": None}
 MEASURED = JAX_VERSION >= (0, 10)  # older releases may refuse less or more: either is checked
 
 
@@ -142,7 +142,7 @@ def test_training_step_on_8_devices_matches_one(zoo, kind, layout):
     except Exception as e:  # what the user gets on an Explicit mesh
         assert expected_error is not None, f"{zoo.name} failed on {kind} axes: {e}"
         assert re.search(expected_error, str(e), re.S), str(e)
-        if "out_sharding" in expected_error:  # JAX's ShardingTypeError: filter_jit's note
+        if "out_sharding" in str(e):  # JAX's ShardingTypeError: filter_jit's note
             notes = "".join(getattr(e, "__notes__", ()))
             assert "eqxshard: this step runs on a mesh with Explicit axes ('data')" in notes
             assert "axis_types=(jax.sharding.AxisType.Auto,)" in notes
