@@ -7,6 +7,7 @@ call; `static`: the static part of a call as the cache key; `layouts`: reading
 one sharding per leaf, and moving or checking inputs; `donate`: which array leaves are
 donated).
 
-Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
-`eqxshard._shard_map`, `eqxshard._plans` and this folder.
+Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement` and this folder (rules
+are read as `filter_shard` reads them, by their `spec_for`, so that `_plans` may build on
+`filter_jit`: a `Plan`'s `jit`).
 """
