@@ -147,7 +147,7 @@ def test_table_has_parts_collectives_and_reasons(plan):
     assert "Chosen:" in text and "sent per device" in text and "over budget by" in text
     html = plan._repr_html_()
     assert html.count("<svg") == 1 and "budget" in html and "<table>" in html
-    assert f"Plan(mesh_shape={plan.chosen.mesh_shape!r}" in repr(plan)
+    assert f"Plan(mesh={plan.chosen.mesh_shape!r}" in repr(plan)
 
 
 def test_rules_repr_is_python_that_lays_out_the_same():

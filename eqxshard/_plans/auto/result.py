@@ -10,10 +10,12 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from ..._compat import spec_str
 from ..._placement.shard import filter_shard
 from ..._tree import format_bytes
 from ..plan import filter_init
-from . import view
+from . import choices, use, view
+from .meshes import mesh_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +59,15 @@ class Candidate:
     reason: str
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
+@dataclasses.dataclass(frozen=True, init=False, repr=False, eq=False)
 class Plan:
     """The layout `auto_plan` chose, and every candidate it weighed.
 
     - `mesh`: a `Mesh` over the devices asked for, or an `AbstractMesh` of the same
-        shape when there are more devices than this machine has.
+        shape when there are more devices than this machine has. Given as a dict of axis
+        sizes (`{"data": 256, "model": 2}`, as `repr` writes it), it is built over this
+        process's devices (`jax.make_mesh`'s order, Auto axes), or abstract when they are
+        too few.
     - `rules`: the rule for the model and the optimiser state, usable as `spec`
         anywhere (`filter_shard`, `filter_plan`, `filter_init`, `describe`). Its `repr`
         is Python to paste into a script and edit.
@@ -70,9 +75,18 @@ class Plan:
         the data axes).
     - `table`: every `Candidate`, ranked; `table[0]` is the chosen one.
     - `budget`: the budget in bytes per device.
+    - `remat`: the rematerialisation policy per stacked layer, by its path: `"none"`,
+        `"dots"`, `"full"` or `"offload"` (`{}`: none chosen).
+    - `offload`: the parts held in pinned host memory between steps and moved in for
+        the update: `("optimizer state",)` or `()`.
+    - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
+        "repeats": ...}`.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
-    candidate's bytes per device against the budget.
+    candidate's bytes per device against the budget. `repr(plan)` is Python that builds
+    an equal plan (without the table): paste it into the training script on the
+    cluster. Two plans are equal when they choose the same (mesh shape, rules, batch
+    spec, budget, remat, offload, pipeline).
     """
 
     mesh: Mesh | AbstractMesh
@@ -80,6 +94,57 @@ class Plan:
     batch_spec: PartitionSpec
     table: list[Candidate]
     budget: int
+    remat: dict[str, str]
+    offload: tuple[str, ...]
+    pipeline: dict[str, Any] | None
+
+    def __init__(
+        self,
+        mesh: Mesh | AbstractMesh | dict[str, int],
+        rules: Any,
+        batch_spec: PartitionSpec,
+        table: list[Candidate] | None = None,
+        budget: int = 0,
+        remat: dict[str, str] | None = None,
+        offload: tuple[str, ...] = (),
+        pipeline: dict[str, Any] | None = None,
+    ):
+        if isinstance(mesh, dict):
+            mesh = mesh_for(mesh)
+        elif not isinstance(mesh, Mesh | AbstractMesh):
+            raise TypeError(
+                "`Plan` takes `mesh` as a `Mesh`, an `AbstractMesh` or a dict of axis sizes "
+                f"(`{{'data': 8}}`), but got {type(mesh).__name__}."
+            )
+        remat, offload = choices.check({} if remat is None else remat, offload, pipeline)
+        values = dict(
+            mesh=mesh,
+            rules=rules,
+            batch_spec=batch_spec,
+            table=list(table or []),
+            budget=budget,
+            remat=remat,
+            offload=offload,
+            pipeline=pipeline,
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _choice(self) -> tuple[Any, ...]:
+        return (
+            dict(self.mesh.shape),
+            repr(self.rules),
+            self.batch_spec,
+            self.budget,
+            self.remat,
+            self.offload,
+            self.pipeline,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self._choice() == other._choice()
+
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def chosen(self) -> Candidate:
@@ -91,7 +156,8 @@ class Plan:
         shape = dict(self.mesh.shape)
         raise ValueError(
             f"`Plan.{verb}` needs the devices, but this plan is for {self.mesh.size} devices "
-            f"and this process has {jax.device_count()}. On the cluster, build the mesh "
+            f"and this process has {jax.device_count()}. On the cluster, paste `repr(plan)` "
+            "(its mesh is then built over the devices there), or build the mesh "
             f"`jax.make_mesh({tuple(shape.values())}, {tuple(shape)})` and pass it with "
             "`plan.rules` to `filter_shard` / `filter_init` (and `plan.batch_spec` for the "
             "batch)."
@@ -119,12 +185,86 @@ class Plan:
 
         return init
 
+    def jit(self, step: Callable[..., Any], *, donate: bool = True) -> Any:
+        """`step` compiled with the plan's layouts: `filter_jit` over `plan.mesh`, the
+        model and the optimiser state laid out by `plan.rules` (in and out) and donated,
+        the batch by `plan.batch_spec`. Inputs in another layout are moved first (one
+        batched transfer), so the model of `plan.init` or `plan.shard` goes in as it is.
+
+        **Arguments:**
+
+        - `step`: `step(model, opt_state, batch)` returning `(model, opt_state, loss)`, or
+            `step(model, batch)` (an evaluation: nothing donated, outputs as XLA lays
+            them out).
+        - `donate`: whether the model and the optimiser state give their buffers to the
+            new ones (default `True`: a training step holds one copy of each).
+
+        **Returns:**
+
+        The compiled step, called as `step` is, with `.lower(*args)` (as `filter_jit`'s).
+
+        **Raises:**
+
+        - `TypeError`: if `step` is not callable or `donate` is not a bool; when called
+            with other than two or three arguments; and `filter_jit`'s errors.
+        - `ValueError`: for a plan over an `AbstractMesh` (more devices than this process
+            has: paste `repr(plan)` on the cluster).
+
+        !!! Example
+
+            ```python
+            import optax
+
+            optimizer = optax.adamw(1e-3)
+
+            def step(model, opt_state, x):
+                loss, grads = eqx.filter_value_and_grad(
+                    lambda m: jnp.mean((jax.vmap(m)(x) - x) ** 2)
+                )(model)
+                params = eqx.filter(model, eqx.is_array)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                return eqx.apply_updates(model, updates), opt_state, loss
+
+            make = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
+            x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+            plan = eqxshard.auto_plan(
+                step, make(jax.random.key(0)), x, devices=4, budget="1MiB", optimizer=optimizer
+            )
+            model, opt_state = plan.init(make, optimizer)(jax.random.key(0))
+            train_step = plan.jit(step)
+            model, opt_state, loss = train_step(model, opt_state, jnp.ones((32, 64)))
+            ```
+        """
+        return use.jit(self, step, donate)
+
+    def apply(self, model: Any) -> Any:
+        """`model` as the plan runs it: today its array leaves placed by `plan.rules` over
+        `plan.mesh` (as `plan.shard(model)` places them); `remat` and `pipeline` choices
+        are for the stacked layers of `eqxshard.Stacked`, which this plan's model has
+        none of, so there is nothing more to configure.
+
+        **Arguments:**
+
+        - `model`: the model, concrete.
+
+        **Returns:**
+
+        The model, placed.
+
+        **Raises:**
+
+        - `ValueError`: for a plan over an `AbstractMesh`; for a plan with `remat` or
+            `pipeline` choices (they need stacked layers); `filter_shard`'s errors.
+        """
+        return use.apply(self, model)
+
     def summary(self) -> str:
         c = self.chosen
+        extra = "".join(f" {part} in host memory." for part in self.offload)
         return (
             f"Chosen: {c.name} on {view.mesh_str(c.mesh_shape)}: "
             f"{format_bytes(c.total_bytes or 0)} per device of {format_bytes(self.budget)}, "
-            f"estimated {view.seconds_str(c.time)} per step. {c.reason}"
+            f"estimated {view.seconds_str(c.time)} per step.{extra} {c.reason}"
         )
 
     def __str__(self) -> str:
@@ -132,8 +272,9 @@ class Plan:
 
     def __repr__(self) -> str:
         return (
-            f"Plan(mesh_shape={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
-            f"batch_spec={self.batch_spec!r}, candidates={len(self.table)})"
+            f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
+            f"batch_spec={spec_str(self.batch_spec)}, budget={self.budget!r}, "
+            f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r})"
         )
 
     def _repr_html_(self) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import tqdm
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh
 
 from ..._tree import is_array_like
 from . import (
@@ -25,22 +25,13 @@ from . import (
 from .cache import CACHE as _CACHE, hashable as _hashable, shapes_key as _shapes_key
 from .candidates import Layout, batch_axes, batch_spec, layouts
 from .measure import Placed, Problem, abstract, compile_here, place
+from .meshes import mesh_for as _mesh
 from .result import Plan
 from .view import mesh_str
 
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
 COMPILE_LIMIT = 64
-
-
-def _mesh(shape: dict[str, int], devices: list[Any]) -> Mesh | AbstractMesh:
-    n = math.prod(shape.values())
-    types = (AxisType.Auto,) * len(shape)
-    if n <= len(devices):
-        return jax.make_mesh(
-            tuple(shape.values()), tuple(shape), axis_types=types, devices=devices[:n]
-        )
-    return AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=types)
 
 
 def _resize_batch(batch: Any, size: int) -> Any:
