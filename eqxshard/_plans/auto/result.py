@@ -235,7 +235,10 @@ class Plan:
             model, opt_state, loss = train_step(model, opt_state, jnp.ones((32, 64)))
             ```
         """
-        return use.jit(self, step, donate)
+        if not callable(step):
+            raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
+        mesh = self._concrete_mesh("jit")
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate)
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: today its array leaves placed by `plan.rules` over
@@ -256,7 +259,8 @@ class Plan:
         - `ValueError`: for a plan over an `AbstractMesh`; for a plan with `remat` or
             `pipeline` choices (they need stacked layers); `filter_shard`'s errors.
         """
-        return use.apply(self, model)
+        mesh = self._concrete_mesh("apply")
+        return use.apply(model, mesh, self.rules, self.remat, self.pipeline)
 
     def summary(self) -> str:
         c = self.chosen

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import functools as ft
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
-
-if TYPE_CHECKING:
-    from .result import Plan
 
 
 class PlanStep:
     """A step compiled by `Plan.jit`: `step(model, opt_state, batch)` (a training step)
     or `step(model, batch)` (an evaluation), each through its own `filter_jit`."""
 
-    def __init__(self, plan: Plan, step: Callable[..., Any], mesh: Any, donate: bool):
-        rules, batch_spec = plan.rules, plan.batch_spec
+    def __init__(
+        self, step: Callable[..., Any], mesh: Any, rules: Any, batch_spec: Any, donate: bool
+    ):
         self._step = step
         self._train = filter_jit(
             step,
@@ -53,21 +51,20 @@ class PlanStep:
         return self._pick(args, kwargs).lower(*args, **kwargs)
 
 
-def jit(plan: Plan, step: Callable[..., Any], donate: bool) -> PlanStep:
-    if not callable(step):
-        raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
+def jit(step: Callable[..., Any], mesh: Any, rules: Any, batch_spec: Any, donate: bool) -> PlanStep:
+    """`Plan.jit`, given the plan's concrete mesh, rules and batch spec."""
     if not isinstance(donate, bool):
         raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
-    return PlanStep(plan, step, plan._concrete_mesh("jit"), donate)
+    return PlanStep(step, mesh, rules, batch_spec, donate)
 
 
-def apply(plan: Plan, model: Any) -> Any:
-    mesh = plan._concrete_mesh("apply")
-    if plan.remat or plan.pipeline is not None:
+def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str], pipeline: Any) -> Any:
+    """`Plan.apply`, given the plan's concrete mesh, rules and choices."""
+    if remat or pipeline is not None:
         raise ValueError(
-            f"`Plan.apply` got a plan with remat={plan.remat!r}, pipeline={plan.pipeline!r}: "
+            f"`Plan.apply` got a plan with remat={remat!r}, pipeline={pipeline!r}: "
             "these configure stacked layers (`eqxshard.Stacked`), which this version of "
             "eqxshard does not have. Build the plan without them (`remat={}`, "
             "`pipeline=None`)."
         )
-    return filter_shard(model, mesh, plan.rules)
+    return filter_shard(model, mesh, rules)
