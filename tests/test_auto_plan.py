@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import search as auto_plan_module
+from eqxshard._plans.auto import jobs as jobs_module
 from eqxshard._plans.auto.candidates import tensor_parallel_roles
 from eqxshard._plans.auto.collectives import collectives
 from eqxshard._plans.auto.extrapolate import reduced_shape
@@ -184,10 +184,8 @@ def test_init_is_born_in_the_layout_shard_gives(plan):
 
 def test_second_call_compiles_nothing(plan, monkeypatch):
     calls = []
-    original = auto_plan_module.compile_here
-    monkeypatch.setattr(
-        auto_plan_module, "compile_here", lambda *a: calls.append(a) or original(*a)
-    )
+    original = jobs_module.compile_here
+    monkeypatch.setattr(jobs_module, "compile_here", lambda *a: calls.append(a) or original(*a))
     again = auto_plan()
     assert not calls
     assert [(c.name, c.mesh_shape, c.total_bytes) for c in again.table] == [
