@@ -41,6 +41,7 @@ class Job:
     key: Any = None
     rejected: str = ""
     where: str = ""
+    host: int = 0  # bytes per device of the optimiser state in host memory (offload)
 
 
 def place(
@@ -61,26 +62,28 @@ def place(
         why = f"the batch of {size} does not split over {ways} devices ({' x '.join(axes)})"
         return Job(layout, {}, rejected=why)
     try:
-        big = place_(
-            problem, _mesh(shape, available), layout.rules, problem.batch, batch_spec(shape)
-        )
+        mesh = _mesh(shape, available)
+        big = place_(problem, mesh, layout.rules, problem.batch, batch_spec(shape), layout.offload)
     except (ValueError, TypeError) as e:
         return Job(layout, {}, rejected=" ".join(str(e).split())[:300])
     exact = {"parameters": big.parameters}
+    host = big.opt_state if layout.offload else 0
     if problem.trains:
-        exact |= {"gradients": big.gradients, "optimizer state": big.opt_state}
+        exact |= {"gradients": big.gradients, "optimizer state": big.opt_state - host}
     exact["batch"] = big.batch
     known = sum(exact.values())
     if known > budget:
         why = f"{args_.over_budget(known, budget)} before activations"
-        return Job(layout, exact, rejected=why)
+        return Job(layout, exact, rejected=why, host=host)
     if layout.devices <= reach:
-        return Job(layout, exact, shape, big)
+        return Job(layout, exact, shape, big, host=host)
     small = extrapolate.reduced_shape(shape, reach)
     small_ways = math.prod(small[a] for a in batch_axes(small))
     batch = _resize_batch(problem.batch, size // ways * small_ways)
-    placed = place_(problem, _mesh(small, available), layout.rules, batch, batch_spec(small))
-    return Job(layout, exact, small, placed, small=small)
+    placed = place_(
+        problem, _mesh(small, available), layout.rules, batch, batch_spec(small), layout.offload
+    )
+    return Job(layout, exact, small, placed, small=small, host=host)
 
 
 def measure_all(
@@ -99,6 +102,7 @@ def measure_all(
             shape,
             repr(job.layout.rules),
             user,
+            job.layout.offload,
             _shapes_key(job.placed.args[2]),
         )
         count = math.prod(job.compile_shape.values())

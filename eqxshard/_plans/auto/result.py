@@ -28,19 +28,26 @@ class Candidate:
         parallel), products of these (`FSDP x TP`), or `rules[k]` for the user's `k`th rule.
     - `mesh_shape`: axis name -> size (size-1 axes dropped).
     - `rules`: the rule, usable as any `spec` (its `repr` is Python to paste and edit).
-    - `bytes`: bytes per device by part: `parameters`, `gradients` (with an optimiser),
-        `optimizer state`, `batch`, `activations` (with every other temporary).
+    - `bytes`: bytes per device by part: `parameters`, `gradients` (with an optimiser;
+        less what the compiled step never holds at once, where XLA fused the update into
+        the backward pass), `optimizer state` (0 when offloaded), `batch`, `activations`
+        (with every other temporary).
     - `total_bytes`: bytes per device of the whole compiled step (arguments, outputs
         less what they reuse by donation, temporaries); `None` if it could not be built.
     - `collectives`: bytes each device sends per step, by kind (`all-reduce`,
         `all-gather`, `reduce-scatter`, `all-to-all`, `collective-permute`).
     - `communication_time`, `compute_time`, `time`: estimated seconds per step (the
-        alpha-beta model over the axes' links; flops over `flops_per_second`; their sum).
+        alpha-beta model over the axes' links; flops over `flops_per_second`; their sum,
+        with `host_time`).
     - `fits`: whether `total_bytes` is within the budget.
     - `estimated`: whether the figures come from a smaller mesh (see `measured_on`).
     - `measured_on`: where the figures come from: `compiled here`, `compiled in a
         subprocess with N CPU devices`, or the smaller mesh they are scaled from.
     - `reason`: why it was chosen or not (over budget by how much, how much slower).
+    - `offload`: the parts held in pinned host memory between steps (`("optimizer
+        state",)` or `()`); their bytes per device are `host_bytes` (not in
+        `total_bytes`, which is device memory), and moving them in and out over the
+        `host` link takes `host_time` seconds per step (part of `time`).
     """
 
     rank: int
@@ -57,6 +64,9 @@ class Candidate:
     estimated: bool
     measured_on: str
     reason: str
+    offload: tuple[str, ...] = ()
+    host_bytes: int = 0
+    host_time: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False, eq=False)
@@ -165,15 +175,23 @@ class Plan:
 
     def shard(self, model: Any, opt_state: Any = None, batch: Any = None) -> tuple[Any, Any, Any]:
         """`(model, opt_state, batch)` placed by the plan with `filter_shard` (`None`s are
-        returned as they are). Raises `ValueError` for a plan over an `AbstractMesh`."""
+        returned as they are), the optimiser state in pinned host memory when the plan
+        offloads it. Raises `ValueError` for a plan over an `AbstractMesh`."""
         mesh = self._concrete_mesh("shard")
         place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
-        return place(model, self.rules), place(opt_state, self.rules), place(batch, self.batch_spec)
+        if opt_state is not None:
+            opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
+        return place(model, self.rules), opt_state, place(batch, self.batch_spec)
+
+    @property
+    def _offloads_state(self) -> bool:
+        return "optimizer state" in self.offload
 
     def init(self, make_model: Callable[..., Any], optimizer: Any = None) -> Callable[..., Any]:
         """A function of `make_model`'s arguments (usually a key) returning the model, born
         sharded by `filter_init`, and with `optimizer` also its state, as
-        `(model, opt_state)`. Raises `ValueError` for a plan over an `AbstractMesh`."""
+        `(model, opt_state)` (the state moved to pinned host memory when the plan offloads
+        it). Raises `ValueError` for a plan over an `AbstractMesh`."""
         mesh = self._concrete_mesh("init")
 
         def init(*args: Any, **kwargs: Any) -> Any:
@@ -181,7 +199,10 @@ class Plan:
             if optimizer is None:
                 return model
             opt_init = lambda m: optimizer.init(eqx.filter(m, eqx.is_array))
-            return model, filter_init(opt_init, mesh, self.rules)(model)
+            state = filter_init(opt_init, mesh, self.rules)(model)
+            if self._offloads_state:
+                state = use.place_state(state, mesh, self.rules, True)
+            return model, state
 
         return init
 
@@ -238,7 +259,7 @@ class Plan:
         if not callable(step):
             raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
         mesh = self._concrete_mesh("jit")
-        return use.jit(step, mesh, self.rules, self.batch_spec, donate)
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate, self._offloads_state)
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: today its array leaves placed by `plan.rules` over
@@ -264,11 +285,10 @@ class Plan:
 
     def summary(self) -> str:
         c = self.chosen
-        extra = "".join(f" {part} in host memory." for part in self.offload)
         return (
             f"Chosen: {c.name} on {view.mesh_str(c.mesh_shape)}: "
             f"{format_bytes(c.total_bytes or 0)} per device of {format_bytes(self.budget)}, "
-            f"estimated {view.seconds_str(c.time)} per step.{extra} {c.reason}"
+            f"estimated {view.seconds_str(c.time)} per step. {c.reason}"
         )
 
     def __str__(self) -> str:

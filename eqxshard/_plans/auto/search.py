@@ -16,6 +16,7 @@ from . import (
     flops as flops_,
     jobs,
     links as links_,
+    offload as offload_,
     rank as rank_,
     topology,
 )
@@ -23,7 +24,7 @@ from .cache import CACHE as _CACHE, shapes_key as _shapes_key
 from .candidates import batch_spec, layouts
 from .measure import Problem, abstract
 from .meshes import mesh_for as _mesh
-from .result import Plan
+from .result import Candidate, Plan
 
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
@@ -166,8 +167,9 @@ def auto_plan(
         for layout in layouts(model_abs, n, list(rules))
     ]
     jobs.measure_all(problem, problem_key, work, local, progress)
-    candidates = [
-        rank_.candidate(
+
+    def row(job: jobs.Job) -> Candidate:
+        return rank_.candidate(
             job.layout,
             job.exact,
             job.rejected,
@@ -177,9 +179,20 @@ def auto_plan(
             budget_bytes,
             topology.axis_links(job.layout.shape, given, node),
             flops_per_second / loops,
+            job.host,
         )
-        for job in work
-    ]
+
+    candidates = [row(job) for job in work]
+    if problem.trains and offload_.supported(available):
+        # The optimiser state in host memory, for the layouts only that would then fit.
+        state = [job.exact.get("optimizer state", 0) for job in work]
+        extra = [
+            jobs.place(problem, offload_.variant(job.layout), size, reach, available, budget_bytes)
+            for job, c, s in zip(work, candidates, state, strict=True)
+            if offload_.could_fit(c.total_bytes, s, budget_bytes)
+        ]
+        jobs.measure_all(problem, problem_key, extra, local, progress)
+        candidates += [row(job) for job in extra]
     table = rank_.rank(candidates, budget_bytes)
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)
@@ -189,4 +202,5 @@ def auto_plan(
         batch_spec=batch_spec(table[0].mesh_shape),
         table=table,
         budget=budget_bytes,
+        offload=table[0].offload,
     )
