@@ -135,3 +135,14 @@ def test_a_pasted_offload_plan_offloads():
         pasted.jit(step)(model=model, opt_state=opt_state, batch=_data())
     _, opt_state, loss = pasted.jit(step)(model, opt_state, _data())
     assert np.isfinite(loss)
+
+
+def test_offload_that_cannot_beat_a_fitting_layout_is_not_compiled():
+    # On 4 devices, TP fits 400 KiB; every layout over it would need the state's trips
+    # over PCIe on top of its own time, which is already slower: none is compiled.
+    plan = auto_plan("400KiB", devices=4)
+    assert plan.offload == () and plan.chosen.fits
+    rows = [c for c in plan.table if c.offload]
+    assert rows and all(c.time is None and c.measured_on == "not compiled" for c in rows)
+    assert all(c.reason.startswith("not compiled: dominated, at least") for c in rows)
+    assert all("slower than" in c.reason and "of a layout that fits" in c.reason for c in rows)

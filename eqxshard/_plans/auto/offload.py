@@ -18,6 +18,7 @@ from ... import _compat
 from . import links as links_
 from .candidates import Layout
 from .measure import HOST
+from .view import seconds_str
 
 # What the table calls a layout with the state in host memory.
 SUFFIX = " + offload"
@@ -38,6 +39,14 @@ def could_fit(total: int | None, state: int, budget: int) -> bool:
     """Whether a layout of `total` bytes per device (None: not known) that is over budget
     fits with its optimiser state's `state` bytes moved to host memory."""
     return total is not None and total > budget and total - state <= budget
+
+
+def dominated(floor: float, best: float) -> str:
+    """Why an offload variant is not compiled: it cannot beat a layout that fits."""
+    return (
+        f"not compiled: dominated, at least {seconds_str(floor)} per step with the optimiser "
+        f"state's trips over PCIe, slower than {seconds_str(best)} of a layout that fits"
+    )
 
 
 def variant(layout: Layout) -> Layout:

@@ -184,13 +184,25 @@ def auto_plan(
 
     candidates = [row(job) for job in work]
     if problem.trains and offload_.supported(available):
-        # The optimiser state in host memory, for the layouts only that would then fit.
-        state = [job.exact.get("optimizer state", 0) for job in work]
-        extra = [
-            jobs.place(problem, offload_.variant(job.layout), size, reach, available, budget_bytes)
-            for job, c, s in zip(work, candidates, state, strict=True)
-            if offload_.could_fit(c.total_bytes, s, budget_bytes)
-        ]
+        # The optimiser state in host memory, for the layouts only that would then fit,
+        # and could then be faster than the fastest that fits already.
+        best = min((c.time or 0 for c in candidates if c.fits), default=None)
+        extra = []
+        for job, c in zip(work, list(candidates), strict=True):
+            state = job.exact.get("optimizer state", 0)
+            if not offload_.could_fit(c.total_bytes, state, budget_bytes):
+                continue
+            layout = offload_.variant(job.layout)
+            links_here = topology.axis_links(job.layout.shape, given, node)
+            floor = (c.time or 0.0) + offload_.seconds(state, links_here)
+            if best is None or floor < best:
+                extra.append(jobs.place(problem, layout, size, reach, available, budget_bytes))
+                continue
+            exact = job.exact | {"optimizer state": 0}
+            why = offload_.dominated(floor, best)
+            candidates.append(
+                rank_.candidate(layout, exact, why, None, None, "", budget_bytes, {}, 1.0, state)
+            )
         jobs.measure_all(problem, problem_key, extra, local, progress)
         candidates += [row(job) for job in extra]
     table = rank_.rank(candidates, budget_bytes)
