@@ -15,29 +15,25 @@ from __future__ import annotations
 
 from typing import Any
 
-import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .._compat import ambient_mesh, is_tracer, spec_str
-from .._placement import place as _place, resolve as _resolve, targets as _targets
+from .._placement import (
+    place as _place,
+    resolve as _resolve,
+    spec_tree as _spec_tree,
+    targets as _targets,
+)
 from .._tree import Flat, Path, is_array_like, leaf_error, pathstr
 from .static import call_path
 
 _FIXED = (Mesh, AbstractMesh, Sharding, jax.Device)
 
 
-def is_rule(x: Any) -> bool:
-    """A sharding rule (`fsdp`, `path_rules`, ...): anything with `spec_for(path, leaf,
-    mesh)`, as `filter_shard` reads rules (so this layer needs no import of `_plans`)."""
-    return callable(getattr(x, "spec_for", None)) and not isinstance(x, type)
-
-
 def is_layout_leaf(x: Any) -> bool:
     """A leaf of an `in_shardings`/`out_shardings` prefix tree."""
-    if x is None or isinstance(x, (*_FIXED, PartitionSpec)) or is_rule(x):
-        return True
-    return callable(x) and not isinstance(x, eqx.Module)
+    return isinstance(x, _FIXED) or _spec_tree.is_spec_form(x)
 
 
 def _spread(tree: Any, layouts: Any, argname: str) -> list[tuple[Path, Any]]:
@@ -70,20 +66,16 @@ _SHAPE = {
 
 
 class _Dispatch:
-    """The spec-like layouts of a tree, as one rule: each leaf asks the layout above it,
-    with its path relative to where that layout was given."""
+    """The spec-like layouts of a tree, as one rule (read by its `spec_for`, as
+    `filter_shard` reads rules, so that this layer needs no import of `_plans`): each
+    leaf asks the layout above it, with its path relative to where it was given."""
 
     def __init__(self, layouts: dict[Path, tuple[Path, Any]]):
         self.layouts = layouts
 
     def spec_for(self, path: Path, leaf: Any, mesh: Any) -> Any:
         prefix, layout = self.layouts[tuple(path)]
-        relative = tuple(path)[len(prefix) :]
-        if isinstance(layout, PartitionSpec):
-            return layout
-        if is_rule(layout):
-            return layout.spec_for(relative, leaf, mesh)
-        return layout(relative, leaf)
+        return _spec_tree.spec_at(layout, tuple(path)[len(prefix) :], leaf, mesh)
 
 
 def resolve_layouts(
@@ -142,7 +134,7 @@ def _resolved(flat: Flat, targets: Any, spec: Any, argname: str) -> dict[int, Sh
 def _kind(layout: Any) -> str:
     if isinstance(layout, PartitionSpec):
         return f"spec {layout}"
-    return f"rule {layout!r}" if is_rule(layout) else "a callable spec"
+    return f"rule {layout!r}" if _spec_tree.is_rule(layout) else "a callable spec"
 
 
 def check_inputs(flat: Flat, shardings: dict[int, Sharding]) -> None:

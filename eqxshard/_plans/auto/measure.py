@@ -21,6 +21,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ..._placement import place as place_
 from ..._placement.put import filter_put
+from ..._step.pinned import PinnedOp, pinned_ops
 from ..._tree import is_array_like
 from ..plan import plan_shardings
 from .collectives import Collective, collectives
@@ -63,6 +64,7 @@ class Measurement:
     memory: dict[str, int]
     flops: float
     collectives: tuple[Collective, ...]
+    pinned: tuple[PinnedOp, ...] = ()  # ops run on one device and replicated
     host: int = 0  # bytes per device of the arguments and outputs held in host memory
 
     @property
@@ -215,7 +217,8 @@ def measurement(memory: Any, flops: float, hlo_text: str, shape: dict[str, int])
     host = host_bytes(hlo_text, stats["alias"])
     if getattr(memory, "host_argument_size_in_bytes", 0):  # counted apart already (GPU)
         host = 0
-    return Measurement(stats, flops, tuple(collectives(hlo_text, shape)), host)
+    found = tuple(collectives(hlo_text, shape))
+    return Measurement(stats, flops, found, tuple(pinned_ops(hlo_text)), host)
 
 
 def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurement:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..._step import pinned
 from ..._tree import format_bytes
 from . import extrapolate, links as links_, offload as offload_
 from .candidates import Layout
@@ -106,11 +107,19 @@ def candidate(
         fits=total <= budget,
         estimated=estimated,
         measured_on=where,
-        reason=rejected or note,
+        reason=_with_pinned(rejected or note, measured),
         offload=offloaded,
         host_bytes=host,
         host_time=host_time,
     )
+
+
+def _with_pinned(reason: str, measured: Measurement) -> str:
+    """`reason`, and what XLA replicates of the step (`pinned`), if anything."""
+    if not measured.pinned:
+        return reason
+    note = pinned.verdict(list(measured.pinned))
+    return f"{reason}; {note}" if reason else note
 
 
 def _dominant(c: Candidate) -> tuple[str, int]:
