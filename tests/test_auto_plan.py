@@ -216,10 +216,15 @@ def test_devices_as_a_list_or_a_shape(plan):
 def test_links_change_the_estimate(plan):
     slow_link = eqxshard.Link(1e9, 1e-4)
     slow = auto_plan(links={"data": "ethernet_100g", "fsdp": slow_link, "model": slow_link})
+    compared = 0
     for a in slow.table:
         (b,) = [c for c in plan.table if c.name == a.name and c.mesh_shape == a.mesh_shape]
-        if a.time is not None and a.collectives:
+        # (A layout with the state offloaded is compiled only where it could beat the
+        # fastest that fits, which the links change: compare those measured in both.)
+        if a.time is not None and b.time is not None and a.collectives:
             assert a.communication_time > b.communication_time
+            compared += 1
+    assert compared >= 4
     assert eqxshard.LINKS["intra_node"] == eqxshard.LINKS["nvlink4"]
 
 
