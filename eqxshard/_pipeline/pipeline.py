@@ -32,8 +32,8 @@ def run_pipeline(
     stage_major: bool,
 ) -> Any:
     """`filter_pipeline`, also for a stack stored stage-major (`stage_major=True`: chunk
-    `r*S + s` of the layers is local chunk `r` of stage `s`, as `stack_stage_major` lays a
-    stack out), which runs the circular schedule without moving weights."""
+    `r*S + s` of the layers is local chunk `r` of stage `s`, as `order.to_stage_major`
+    stores a stack), which runs the circular schedule without moving weights."""
     checks.check_layer(verb, layer)
     mesh = checks.get_mesh(verb, mesh, axis)
     stages = dict(mesh.shape)[axis]
