@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
 from eqxshard._pipeline.order import from_stage_major, to_stage_major
 from eqxshard._pipeline.pipeline import run_pipeline
-from helpers import make_mesh
 
 D = 4  # features
 N = 8  # layers
@@ -126,9 +126,7 @@ def test_remat_policies_keep_values_and_gradients(remat):
     blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages())
 
     def pipe(blocks, x):
-        return eqxshard.filter_pipeline(
-            _layer, blocks, x, mesh=mesh, microbatches=4, remat=remat
-        )
+        return eqxshard.filter_pipeline(_layer, blocks, x, mesh=mesh, microbatches=4, remat=remat)
 
     grads = jax.jit(jax.grad(_loss(pipe), argnums=(0, 1)))(blocks, _x())
     _close(grads, jax.grad(_loss(_scan), argnums=(0, 1))(_blocks(), _x()))

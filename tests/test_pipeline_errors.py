@@ -6,11 +6,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
 from eqxshard._pipeline import remat as remat_module
-from helpers import make_mesh
 
 
 def _layer(block, h):

@@ -8,10 +8,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
-from helpers import make_mesh
 
 
 class Model(eqx.Module):
