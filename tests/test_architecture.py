@@ -21,11 +21,12 @@ LAYERS = {
     "_mapping": 2,
     "_shard_map": 2,
     "_step": 2,
-    "_plans": 3,
-    "_checkpoint": 4,
-    "_processes": 5,
-    "launch": 6,
-    "__init__": 6,
+    "_pipeline": 3,
+    "_plans": 4,
+    "_checkpoint": 5,
+    "_processes": 6,
+    "launch": 7,
+    "__init__": 7,
 }
 MAX_LINES = 320  # "about 300": a file past this is two concepts
 
