@@ -14,6 +14,7 @@ from ._mapping.jacobian import (
 )
 from ._mapping.map import filter_map as filter_map
 from ._mapping.stream import filter_stream as filter_stream
+from ._pipeline.pipeline import filter_pipeline as filter_pipeline
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard
@@ -36,6 +37,7 @@ from ._plans.rules import (
     dotted_path as dotted_path,
     first as first,
 )
+from ._plans.stages import stages as stages
 from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map

@@ -1,0 +1,11 @@
+"""Pipelines: a stack of layers laid out over a mesh axis and run stage by stage.
+
+Owns `filter_pipeline` (`pipeline`), its per-stage program (`schedule`: the GPipe and
+circular loops, and regrouping a contiguously split stack into the chunks each stage
+runs), the layer and stage-major orders a stack is stored in (`order`), its argument
+checks (`checks`) and the per-layer `remat` policies (`remat`).
+
+Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
+`eqxshard._shard_map` and this folder; never `_plans` or anything above (`_plans` sits
+above it, so that rules and `auto_plan` can know about pipelines).
+"""
