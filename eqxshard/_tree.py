@@ -43,6 +43,15 @@ class Flat:
         self._tree = tree
         self._paths: list[Path] | None = None
 
+    @classmethod
+    def of_leaves(cls, tree: Any, leaves: list[Any], treedef: Any, is_array: list[bool]) -> Flat:
+        """A `Flat` of `tree` from a flattening already made (`leaves`, `treedef`) and
+        which leaves are arrays: for a caller that flattened `tree` itself."""
+        flat = cls.__new__(cls)
+        flat.leaves, flat.treedef, flat.is_array = leaves, treedef, is_array
+        flat._tree, flat._paths = tree, None
+        return flat
+
     @property
     def paths(self) -> list[Path]:
         """Each leaf's key path, in the order of `leaves`.
