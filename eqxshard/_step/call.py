@@ -132,7 +132,7 @@ def _entry(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, list
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     split = Split(leaves)
     key = (config.key, treedef, split.static)
-    flat = lambda: Flat.of_leaves(tree, leaves, treedef, split.is_array)
+    flat = lambda: Flat.of_leaves(leaves, treedef, split.is_array)
     try:
         site = _SITES.get(key)
     except TypeError:
@@ -147,8 +147,7 @@ def _entry(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, list
         entry, dynamic = build(config, fun, key, flat(), args, kwargs, _names(fun))
         site[signature] = entry
         return entry, dynamic
-    concrete = not (split.traced or split.host)
-    return entry, lay_out(entry, config, split.dynamic, concrete, flat)
+    return entry, lay_out(entry, config, split.dynamic, split.traced, flat)
 
 
 def _names(fun: Any) -> tuple[str, str]:
@@ -196,7 +195,7 @@ class Compiled:
         tree = (self._wrapper._fun, args, kwargs)
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         split = Split(leaves)
-        flat = lambda: Flat.of_leaves(tree, leaves, treedef, split.is_array)
+        flat = lambda: Flat.of_leaves(leaves, treedef, split.is_array)
         # Laid out as for a call.
-        dynamic = lay_out(self._entry, self._wrapper._config, split.dynamic, False, flat)
+        dynamic = lay_out(self._entry, self._wrapper._config, split.dynamic, split.traced, flat)
         return output(self.compiled(*self._entry.runs_of(dynamic)))

@@ -35,6 +35,7 @@ class Static(eqx.Module):
 # One traced function per static part of a call (and per `filter_jit` configuration):
 # shared by every wrapper of an equal function, as `eqx.filter_jit` shares its cache.
 _FUNS: dict[Any, Any] = {}
+_NEVER: Any = object()  # no input seen laid out as asked yet
 # One `jax.jit` per traced function and arguments to `jax.jit`.
 _JITS: dict[Any, Any] = {}
 
@@ -46,14 +47,14 @@ class Entry:
     - `in_shardings`: leaf index (in the call's flattening) -> its sharding.
     - `positions`: the index among the array leaves of each leaf in `in_shardings`;
         `known`: for each, the sharding object of an input last found laid out as asked
-        (an input with that very object needs no check; `None`: none seen yet).
+        (an input with that very object needs no check).
     """
 
     def __init__(self, jitted: Any, runs, in_shardings, positions, suppress):
         self.jitted: Any = jitted
         self.runs, self.in_shardings = runs, in_shardings
         self.positions: list[int] = positions
-        self.known: list[Any] = [None] * len(positions)
+        self.known: list[Any] = [_NEVER] * len(positions)
         self.suppress: bool = suppress
 
     def runs_of(self, dynamic: list[Any]) -> list[list[Any]]:
@@ -136,7 +137,7 @@ def build(
     )
     dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
     if in_shardings:
-        dynamic = lay_out(entry, config, dynamic, False, lambda: flat)
+        dynamic = lay_out(entry, config, dynamic, True, lambda: flat)
     kw: dict[str, Any] = {"donate_argnums": donate_argnums}
     if in_shardings:
         per_leaf = [in_shardings.get(i) for i in arrays]
@@ -164,36 +165,46 @@ def build(
 
 
 def lay_out(
-    entry: Entry, config: Any, dynamic: list[Any], concrete: bool, flat: Callable[[], Flat]
+    entry: Entry, config: Any, dynamic: list[Any], traced: bool, flat: Callable[[], Flat]
 ) -> list[Any]:
     """The array leaves laid out as `in_shardings` asks (or checked to be, with
-    `move_inputs=False`). `concrete`: no leaf is a tracer or NumPy data, so an input whose
-    sharding is the very object last found right needs no check: the steady path of a
-    step fed its own outputs."""
+    `move_inputs=False`).
+
+    Outside a trace, an input whose sharding is the very object last found right needs
+    no check (the steady path of a step fed its own outputs, or the same batch layout);
+    the others go the way `filter_shard` goes, all in one batched transfer. `flat` gives
+    the call's leaves with their paths, for that and for errors."""
     positions = entry.positions
     if not positions:
         return dynamic
     known = entry.known
-    if concrete:
-        for k, p in enumerate(positions):
-            if dynamic[p].sharding is not known[k]:
-                break
-        else:
+    if traced:
+        wrong = list(range(len(positions)))
+    else:
+        wrong = [
+            k
+            for k, p in enumerate(positions)
+            if getattr(dynamic[p], "sharding", None) is not known[k]
+        ]
+        if not wrong:
             return dynamic
     whole = flat()
+    indices = list(entry.in_shardings)
+    asked = {indices[k]: entry.in_shardings[indices[k]] for k in wrong}
     if config.move_inputs:
-        moved = _layouts.move_inputs(whole, entry.in_shardings)
+        moved = _layouts.move_inputs(whole, asked)
     else:
-        _layouts.check_inputs(whole, entry.in_shardings)
+        _layouts.check_inputs(whole, asked)
         moved = {}
     laid = list(dynamic)
-    for k, (i, p) in enumerate(zip(entry.in_shardings, positions, strict=True)):
+    for k in wrong:
+        i, p = indices[k], positions[k]
         x = moved.get(i)
         if x is not None:
             laid[p] = x
         x = laid[p]
         if isinstance(x, jax.Array) and not is_tracer(x) and x.committed:
-            if _place.already_placed(x, entry.in_shardings[i]):
+            if _place.already_placed(x, asked[i]):
                 known[k] = x.sharding
     return laid
 
