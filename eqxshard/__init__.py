@@ -40,5 +40,6 @@ from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map
 from ._step.jit import filter_jit as filter_jit
+from ._step.loop import StepLoop as StepLoop
 
 __version__ = _version.version()

@@ -99,10 +99,16 @@ def _bind(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> Any:
     if wrapper._signature is not None:
         args, kwargs = _bind(wrapper, args, kwargs)
-    entry, dynamic = _entry(wrapper, args, kwargs)
+    entry, dynamic = entry_of(wrapper, args, kwargs)
     runs = entry.runs_of(dynamic)
     if lower:
         return Lowered(entry.jitted.lower(*runs), wrapper, entry)
+    return output(run(entry, runs))
+
+
+def run(entry: Entry, runs: list[list[Any]]) -> Any:
+    """Calls the entry's `jax.jit` and waits for it, as `eqx.filter_jit` does, so that a
+    runtime error (`eqx.error_if`) is raised here, with Equinox's message."""
     # Equinox finds the user's frames for `eqx.error_if` messages by this local's name.
     __equinox_jit_id__ = os.urandom(16)
     try:
@@ -112,7 +118,6 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
                 out = entry.jitted(*runs)
         else:
             out = entry.jitted(*runs)
-        # As `eqx.filter_jit`: wait for the result, so a runtime error is raised here.
         # (Only JAX arrays: a float0 output is a NumPy-like array with nothing to wait on.)
         first = next((x for x in out[0] if isinstance(x, jax.Array) and not is_tracer(x)), None)
         if first is not None:
@@ -122,10 +127,10 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
         if error is None:
             raise
         raise error from None
-    return output(out)
+    return out
 
 
-def _entry(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, list[Any]]:
+def entry_of(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, list[Any]]:
     """The entry of this call (built on first sight) and its array leaves, laid out."""
     config: _Config = wrapper._config
     tree = (wrapper._fun, args, kwargs)
