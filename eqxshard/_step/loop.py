@@ -87,9 +87,12 @@ class StepLoop:
         optimiser = optax.sgd(1e-2)
         opt_state = optimiser.init(eqx.filter(model, eqx.is_array))
 
-        @eqxshard.filter_jit(donate=(True, True, False), in_shardings=(None, None, P("data")), mesh=mesh)
+        @eqxshard.filter_jit(
+            donate=(True, True, False), in_shardings=(None, None, P("data")), mesh=mesh
+        )
         def step(model, opt_state, x):
-            loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+            loss_fn = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
             updates, opt_state = optimiser.update(grads, opt_state)
             return eqx.apply_updates(model, updates), opt_state, loss
 
@@ -112,7 +115,8 @@ class StepLoop:
                 "opt_state)`), but got none. Pass the arguments of `step` that its outputs "
                 "replace at every call."
             )
-        self._step: _JitWrapper = step if isinstance(step, _JitWrapper) else filter_jit(step)
+        compiled: Any = step if isinstance(step, _JitWrapper) else filter_jit(step)
+        self._step: _JitWrapper = compiled
         self._n = len(state)
         self._found: dict[Any, _Found] = {}
         self._fun_dynamic = Split(jax.tree_util.tree_leaves(self._step._fun)).dynamic
@@ -176,7 +180,7 @@ class StepLoop:
                 "`(*state, *other_outputs)`, e.g. `return model, opt_state, loss`."
             )
         leaves, treedef = jax.tree_util.tree_flatten((step._fun, args, kwargs))
-        static = tuple(UNSET if a else x for x, a in zip(leaves, Split(leaves).is_array))
+        static = Split(leaves).static
         state_leaves, state_def = jax.tree_util.tree_flatten(tuple(abstract[: self._n]))
         same = state_def == self._state_def and len(state_leaves) == len(self._state_static)
         arrays = [x for x in state_leaves if is_array_like(x)]
