@@ -212,6 +212,8 @@ def _not_traced(split: Split) -> None:
 
 
 def _what(x: Any) -> str:
+    if is_array_like(x):
+        return "an array"
     if isinstance(x, (tuple, list)):
         return f"a {type(x).__name__} of {len(x)}"
     return f"a {type(x).__name__}"
