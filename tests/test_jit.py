@@ -316,6 +316,32 @@ def test_inputs_moved_in_one_batched_transfer(monkeypatch):
     assert calls == []
 
 
+@AXES
+@pytest.mark.parametrize("out_shardings", [None, P("data")], ids=["no-out", "out"])
+def test_mixed_misplaced_inputs_moved_in_one_device_put(axis_type, out_shardings, monkeypatch):
+    mesh = _mesh(axis_type)
+    f = _filter_jit(
+        lambda a, b, c: a + b + c, in_shardings=P("data"), out_shardings=out_shardings, mesh=mesh
+    )
+    ones = jnp.ones((8, 4))
+    a = jax.device_put(ones, jax.devices()[1])  # on one device
+    b = jax.device_put(ones, NamedSharding(mesh, P()))  # replicated
+    c = jax.device_put(ones, NamedSharding(mesh, P(None, "model")))  # split along dim 1
+    calls = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or device_put(*a, **k))
+    for _ in range(3):  # the first call (which compiles) and later ones
+        calls.clear()
+        out = f(a, b, c)
+        assert len(calls) == 1 and len(calls[0][0]) == 3  # one batched transfer of all three
+        np.testing.assert_array_equal(out, 3.0)
+    rows = NamedSharding(mesh, P("data"))
+    placed = [device_put(x, rows) for x in (a, b, c)]
+    calls.clear()
+    f(*placed)
+    assert calls == []
+
+
 def test_move_inputs_false_names_leaf_and_layouts():
     mesh = _mesh(AxisType.Explicit)
     f = _filter_jit(lambda x, y: x + y, in_shardings=P("data"), mesh=mesh, move_inputs=False)
