@@ -142,6 +142,23 @@ def test_outputs_after_the_state_and_a_plain_function():
     assert value == 1.0
 
 
+def test_carry_holds_the_other_state_arguments():
+    mlp = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.key(1))
+    evaluate = eqxshard.StepLoop(lambda m, x: {"y": m(x)}, mlp, carry=0)
+    for x in (jnp.ones(2), jnp.zeros(2)):
+        np.testing.assert_allclose(evaluate(x)["y"], mlp(x), rtol=1e-6)
+    assert evaluate.state[0] is not None and evaluate.state[0].layers[0].weight is not None
+    # The first argument carried, the second (a scale) held as it is.
+    loop = eqxshard.StepLoop(
+        lambda w, scale, x: (w * scale + x, w.sum()), jnp.ones(2), 2.0, carry=1
+    )
+    assert loop(jnp.zeros(2)) == 2.0
+    assert loop(jnp.ones(2)) == 4.0
+    w, scale = loop.state
+    np.testing.assert_array_equal(w, 5.0)
+    assert scale == 2.0
+
+
 def test_state_that_changes_dtype_or_structure():
     loop = eqxshard.StepLoop(lambda a: (a.astype(jnp.float32) * 2, a.dtype.name), jnp.ones(2, int))
     assert loop() == "int32"
@@ -167,6 +184,10 @@ def test_errors():
         eqxshard.StepLoop(3, jnp.zeros(2))  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"initial state after `step`.*got none"):
         eqxshard.StepLoop(lambda x: (x,))
+    with pytest.raises(TypeError, match=r"`carry` as an int.*float 1.0"):
+        eqxshard.StepLoop(lambda x: (x,), jnp.zeros(2), carry=1.0)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match=r"carry=2\)` must be between 0.*the 1 state"):
+        eqxshard.StepLoop(lambda x: (x,), jnp.zeros(2), carry=2)
     loop = eqxshard.StepLoop(lambda a, b: a + b, jnp.zeros(2), jnp.zeros(2))
     with pytest.raises(TypeError, match=r"new state \(2 entries\), but it returns an array"):
         loop()

@@ -58,12 +58,17 @@ class StepLoop:
         `filter_jit()`).
     - `*state`: the initial state: the first arguments of `step`, in order (a model, an
         optimiser state, a key, ...).
+    - `carry`: how many of the state arguments the step's first outputs replace. `None`
+        (default): all of them (a training step). Fewer: the rest are held as they are
+        and passed at every call (`carry=0` for an evaluation step `eval_step(model, x)`,
+        whose whole output is then returned).
 
     **Returns:**
 
-    A callable `loop(*batch)`: it runs `step(*state, *batch)`, keeps the first
-    `len(state)` outputs as the new state, and returns the outputs after them (the one
-    output itself if there is one, a tuple of several, `None` if none). `loop.state` is
+    A callable `loop(*batch)`: it runs `step(*state, *batch)`, keeps the first `carry`
+    outputs as the new state, and returns the outputs after them (the one output itself
+    if there is one, a tuple of several, `None` if none; with `carry=0` the output as it
+    is). `loop.state` is
     the current state as PyTrees, a tuple like `state`: read it when it is needed (a
     checkpoint, an evaluation, the end), not at every step. With `donate`, a call donates
     the state's buffers as `filter_jit` does, so trees read from `loop.state` before a
@@ -71,11 +76,13 @@ class StepLoop:
 
     **Raises:**
 
-    - `TypeError`: if `step` is not callable, if no state is given, or (at the first
-        call) if `step` returns something other than a tuple or list that starts with the
-        new state; every error `filter_jit` raises for the call `step(*state, *batch)`.
-    - `ValueError`: if the state or a batch is traced: a `StepLoop` runs outside `jit`
-        (inside one, call the step itself).
+    - `TypeError`: if `step` is not callable, if no state is given, for a `carry` that is
+        not an int, or (at the first call) if `step` returns something other than a tuple
+        or list that starts with the new state; every error `filter_jit` raises for the
+        call `step(*state, *batch)`.
+    - `ValueError`: for a `carry` below 0 or above the number of state arguments; if the
+        state or a batch is traced: a `StepLoop` runs outside `jit` (inside one, call the
+        step itself).
 
     !!! Example
 
@@ -103,7 +110,7 @@ class StepLoop:
         ```
     """
 
-    def __init__(self, step: Any, *state: Any):
+    def __init__(self, step: Any, *state: Any, carry: int | None = None):
         if not callable(step):
             raise TypeError(
                 f"`StepLoop` takes a callable `step`, but got {type(step).__name__}. Pass the "
@@ -112,12 +119,24 @@ class StepLoop:
         if not state:
             raise TypeError(
                 "`StepLoop` takes the initial state after `step` (`StepLoop(step, model, "
-                "opt_state)`), but got none. Pass the arguments of `step` that its outputs "
-                "replace at every call."
+                "opt_state)`), but got none. Pass the arguments of `step` that stay with the "
+                "loop (those its outputs replace, and those held as they are)."
+            )
+        carry = len(state) if carry is None else carry
+        if isinstance(carry, bool) or not isinstance(carry, int):
+            raise TypeError(
+                f"`StepLoop` takes `carry` as an int (how many of the state arguments the "
+                f"step's first outputs replace), but got {type(carry).__name__} {carry!r}."
+            )
+        if not 0 <= carry <= len(state):
+            raise ValueError(
+                f"`StepLoop(carry={carry})` must be between 0 (every state argument held as "
+                f"it is) and the {len(state)} state arguments given (all replaced by the "
+                "step's first outputs)."
             )
         compiled: Any = step if isinstance(step, _JitWrapper) else filter_jit(step)
         self._step: _JitWrapper = compiled
-        self._n = len(state)
+        self._n = carry
         self._found: dict[Any, _Found] = {}
         self._fun_dynamic = Split(jax.tree_util.tree_leaves(self._step._fun)).dynamic
         self._set_state(tuple(state))
@@ -127,6 +146,10 @@ class StepLoop:
         split = Split(leaves)
         _not_traced(split)
         self._state_static, self._state_dynamic = split.static, split.dynamic
+        # The carried part (the first `carry` arguments): what the outputs must match.
+        leaves, self._carried_def = jax.tree_util.tree_flatten(state[: self._n])
+        carried = Split(leaves)
+        self._carried_static, self._carried_dynamic = carried.static, carried.dynamic
         self._token = object()  # calls of another state structure or signature miss
 
     @property
@@ -154,42 +177,52 @@ class StepLoop:
             rebuild = lambda: Flat.of_leaves(found.leaves(dynamic), found.treedef, found.is_array)
             dynamic = lay_out(found.entry, self._step._config, dynamic, False, rebuild)
         out = run(found.entry, found.entry.runs_of(dynamic))
+        n = self._n
         if found.n_state is None:
             whole = output(out)
-            self._set_state(tuple(whole[: self._n]))
-            aux = tuple(whole[self._n :])
+            self._set_state((*whole[:n], *self.state[n:]))
+            aux = tuple(whole[n:])
         else:
             arrays = out[0]
-            self._state_dynamic = arrays[: found.n_state]
+            if n:
+                held = self._state_dynamic[len(self._carried_dynamic) :]
+                self._carried_dynamic = arrays[: found.n_state]
+                self._state_dynamic = self._carried_dynamic + held
             it = iter(arrays[found.n_state :])
             aux_leaves = [next(it) if s is UNSET else s for s in found.aux_static]
             aux = jax.tree_util.tree_unflatten(found.aux_def, aux_leaves)
+        if not n:
+            return aux
         return aux[0] if len(aux) == 1 else (aux or None)
 
     def _build(self, batch: tuple) -> tuple[_Found, list[Any]]:
         """The first call of a batch structure and signature: `filter_jit`'s own entry,
         and how the step's outputs split into the next state and the rest."""
-        step = self._step
+        step, n = self._step, self._n
         args, kwargs = _bind(step, (*self.state, *batch), {})
         entry, dynamic = entry_of(step, args, kwargs)
-        abstract = output(entry.jitted.trace(*entry.runs_of(dynamic)).out_info)
-        if not isinstance(abstract, (tuple, list)) or len(abstract) < self._n:
-            raise TypeError(
-                f"`StepLoop` needs `step` to return a tuple that starts with the new state "
-                f"({self._n} entries), but it returns {_what(abstract)}. Return "
-                "`(*state, *other_outputs)`, e.g. `return model, opt_state, loss`."
-            )
         leaves, treedef = jax.tree_util.tree_flatten((step._fun, args, kwargs))
         static = Split(leaves).static
-        state_leaves, state_def = jax.tree_util.tree_flatten(tuple(abstract[: self._n]))
-        same = state_def == self._state_def and len(state_leaves) == len(self._state_static)
+        abstract = output(entry.jitted.trace(*entry.runs_of(dynamic)).out_info)
+        if not n:  # nothing carried: the output is returned as it is
+            aux_leaves, aux_def = jax.tree_util.tree_flatten(abstract)
+            aux_static = tuple(UNSET if is_array_like(x) else x for x in aux_leaves)
+            return _Found(entry, treedef, static, (aux_def, aux_static), 0), dynamic
+        if not isinstance(abstract, (tuple, list)) or len(abstract) < n:
+            raise TypeError(
+                f"`StepLoop` needs `step` to return a tuple that starts with the new state "
+                f"({n} entries), but it returns {_what(abstract)}. Return "
+                "`(*state, *other_outputs)`, e.g. `return model, opt_state, loss`."
+            )
+        state_leaves, state_def = jax.tree_util.tree_flatten(tuple(abstract[:n]))
         arrays = [x for x in state_leaves if is_array_like(x)]
+        same = state_def == self._carried_def and len(arrays) == len(self._carried_dynamic)
         if same:
             rest = tuple(UNSET if is_array_like(x) else x for x in state_leaves)
-            same = rest == self._state_static and all(
-                _same_type(a, x) for a, x in zip(arrays, self._state_dynamic, strict=True)
+            same = rest == self._carried_static and all(
+                _same_type(a, x) for a, x in zip(arrays, self._carried_dynamic, strict=True)
             )
-        aux_leaves, aux_def = jax.tree_util.tree_flatten(tuple(abstract[self._n :]))
+        aux_leaves, aux_def = jax.tree_util.tree_flatten(tuple(abstract[n:]))
         aux_static = tuple(UNSET if is_array_like(x) else x for x in aux_leaves)
         n_state = len(arrays) if same else None
         return _Found(entry, treedef, static, (aux_def, aux_static), n_state), dynamic
