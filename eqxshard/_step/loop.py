@@ -89,7 +89,8 @@ class StepLoop:
         ```python
         import optax
 
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         model = eqx.nn.MLP(4, 4, 32, 2, key=jax.random.key(0))
         optimiser = optax.sgd(1e-2)
         opt_state = optimiser.init(eqx.filter(model, eqx.is_array))
