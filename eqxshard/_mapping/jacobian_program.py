@@ -274,15 +274,16 @@ def _shared(key: tuple) -> tuple[Programs, AutoBatchSize | None]:
     name, _, _, _, batch_size, memory_budget, _, _ = key
     try:
         found = _SHARED.get(key)
+        hashable = True
     except TypeError:
-        found, key = None, None
+        found, hashable = None, False
     if found is None:
         auto = AutoBatchSize(name, memory_budget) if batch_size == "auto" else None
         found = (Programs(_run), auto)
-        if key is not None:
+        if hashable:
             _SHARED[key] = found
             while len(_SHARED) > _SHARED_SIZE:
                 _SHARED.popitem(last=False)
-    elif key is not None:
+    else:
         _SHARED.move_to_end(key)
     return found

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools as ft
 import inspect
+import operator
 import os
 import warnings
 from typing import Any
@@ -34,7 +35,7 @@ from .static import hashable_key
 
 # Per static part of a call (with the configuration): its entry, or its entries by
 # input signature.
-_SITES: dict[Any, dict[Any, Entry]] = {}
+_SITES: dict[Any, dict[Any, Any]] = {}
 
 
 class _JitWrapper(eqx.Module):
@@ -130,6 +131,24 @@ def run(entry: Entry, runs: list[list[Any]]) -> Any:
     return out
 
 
+_LAST: Any = object()  # a site's key for the avals of its last call, and their entry
+
+
+def _lookup(site: dict, split: Split) -> tuple[Entry | None, Any, list | None]:
+    """The entry for the call's input signature, the signature, and the avals to remember
+    as the last call's. JAX shares the abstract value of arrays alike, so a call with the
+    very avals of the last one is found by identity, without hashing them."""
+    if split.host:
+        signature = split.signature()
+        return site.get(signature), signature, None
+    avals = [x.aval for x in split.dynamic]
+    last = site.get(_LAST)
+    if last is not None and len(last[0]) == len(avals) and all(map(operator.is_, avals, last[0])):
+        return last[1], None, None
+    signature = tuple(avals)
+    return site.get(signature), signature, avals
+
+
 def entry_of(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, list[Any]]:
     """The entry of this call (built on first sight) and its array leaves, laid out."""
     config: _Config = wrapper._config
@@ -145,13 +164,18 @@ def entry_of(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, li
         raise
     if site is None:
         site = _SITES[key] = {}
-    signature = split.signature() if config.per_signature else None
-    entry = site.get(signature)
+    entry, signature, avals = (
+        _lookup(site, split) if config.per_signature else (site.get(None), None, None)
+    )
     if entry is None:
         fun = wrapper._fun
         entry, dynamic = build(config, fun, key, flat(), args, kwargs, _names(fun))
         site[signature] = entry
+        if avals is not None:
+            site[_LAST] = (avals, entry)
         return entry, dynamic
+    if avals is not None:
+        site[_LAST] = (avals, entry)
     return entry, lay_out(entry, config, split.dynamic, split.traced, flat)
 
 
