@@ -342,6 +342,26 @@ def test_mixed_misplaced_inputs_moved_in_one_device_put(axis_type, out_shardings
     assert calls == []
 
 
+@AXES
+def test_layouts_resolved_once_per_signature(axis_type):
+    mesh = _mesh(axis_type)
+    n = 0
+
+    def f(x):
+        nonlocal n
+        n += 1
+        return x * 2
+
+    g = _filter_jit(f, in_shardings=P("data"), out_shardings=P(None, "model"), mesh=mesh)
+    for shape in [(8, 2), (8, 2), (16, 4), (8, 2), (16, 4), (8, 2)]:
+        out = g(jnp.ones(shape))
+        assert out.shape == shape and out.sharding.spec == P(None, "model")
+        np.testing.assert_array_equal(out, 2.0)
+    assert n == 2  # one trace per input signature, however they alternate
+    with pytest.raises(ValueError, match=r"In `in_shardings`(.|\n)*6 is not divisible by 4"):
+        g(jnp.ones((6, 2)))  # a new signature is resolved (and checked) anew
+
+
 def test_move_inputs_false_names_leaf_and_layouts():
     mesh = _mesh(AxisType.Explicit)
     f = _filter_jit(lambda x, y: x + y, in_shardings=P("data"), mesh=mesh, move_inputs=False)
