@@ -168,7 +168,7 @@ def table(n_mlps: int, repeats: int) -> list[tuple[str, ...]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short run (2 repeats, 480 only)")
     parser.add_argument("--repeats", type=int, default=15, help="repeats per way")
     args = parser.parse_args()

@@ -2,6 +2,8 @@
 written out at every call (`filter_hessian(f, batch_size=3)(x)`, as users write
 `jax.hessian(f)(x)`): JAX's own `test_api_vmap_caching` (jax#7621) on every chunked path."""
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +38,7 @@ def test_lowered_once_per_signature_however_often_the_verb_is_made(verb, batch_s
         options["memory_budget"] = 1e6
     if on_mesh:
         options["mesh"] = jax.make_mesh((8,), ("data",))
+    out: Any = None
     with jax_test_util.count_jit_and_pmap_lowerings() as count:
         for _ in range(3):
             out = make(fun, **options)(x)
