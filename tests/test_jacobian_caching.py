@@ -4,6 +4,7 @@ written out at every call (`filter_hessian(f, batch_size=3)(x)`, as users write
 
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,3 +51,12 @@ def test_lowered_once_per_signature_however_often_the_verb_is_made(verb, batch_s
     with jax_test_util.count_jit_and_pmap_lowerings() as count:
         make(fun, **options)(jnp.arange(24.0))  # a new signature: compiled anew
         assert count() >= 1
+
+
+def test_a_function_that_cannot_be_hashed_gets_a_cache_of_its_own():
+    # A module holding arrays is no cache key: each verb made of it keeps its own programs.
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    x = jnp.linspace(0.0, 1.0, 3)
+    for _ in range(2):
+        jac = eqxshard.filter_jacfwd(mlp, batch_size=2)(x)
+        np.testing.assert_allclose(jac, jax.jacfwd(mlp)(x), rtol=1e-5, atol=1e-6)
