@@ -5,9 +5,11 @@ Owns `filter_jit` (`jit`: the public function; `call`: the wrapper, its cache an
 call; `static`: the static part of a call as the cache key; `layouts`: reading
 `in_shardings`/`out_shardings` in every form `filter_shard`'s `target`/`spec` take into
 one sharding per leaf, and moving or checking inputs; `donate`: which array leaves are
-donated; `leaves`: a call's leaves split into arrays and the static part; `entry`: what a
-call resolves once per static part and signature, and laying inputs out), and
-`StepLoop` (`loop`: many calls of one step with the state kept flat).
+donated; `sharding_note`: the note on JAX's `ShardingTypeError` on Explicit axes; `leaves`:
+a call's leaves split into arrays and the static part; `entry`: what a call resolves once
+per static part and signature, and laying inputs out), `describe_step` (its `StepReport`
+in `step_report`): a step's compiled layouts and work, and `StepLoop` (`loop`: many calls
+of one step with the state kept flat).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
 `eqxshard._shard_map`, `eqxshard._plans` and this folder.

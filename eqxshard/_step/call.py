@@ -28,7 +28,7 @@ import jax
 
 from .._compat import equinox_runtime_error, is_tracer
 from .._tree import Flat
-from . import layouts as _layouts
+from . import layouts as _layouts, sharding_note as _sharding_note
 from .entry import Entry, build, lay_out, output
 from .leaves import Split
 from .static import hashable_key
@@ -49,12 +49,14 @@ class _JitWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        return _call(self, args, kwargs, lower=False)
+        with _sharding_note.explained(self._config, args, kwargs):
+            return _call(self, args, kwargs, lower=False)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
         """The `jax.stages.Lowered` of this call, wrapped so that `.compile()` returns a
         callable taking the same arguments."""
-        return _call(self, args, kwargs, lower=True)
+        with _sharding_note.explained(self._config, args, kwargs):
+            return _call(self, args, kwargs, lower=True)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         if instance is None:

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 
 from .._tree import Flat, is_array_like
+from . import sharding_note as _sharding_note
 from .call import _bind, _JitWrapper, entry_of, run
 from .entry import Entry, lay_out, output
 from .jit import filter_jit
@@ -201,10 +202,11 @@ class StepLoop:
         and how the step's outputs split into the next state and the rest."""
         step, n = self._step, self._n
         args, kwargs = _bind(step, (*self.state, *batch), {})
-        entry, dynamic = entry_of(step, args, kwargs)
+        with _sharding_note.explained(step._config, args, kwargs):
+            entry, dynamic = entry_of(step, args, kwargs)
+            abstract = output(entry.jitted.trace(*entry.runs_of(dynamic)).out_info)
         leaves, treedef = jax.tree_util.tree_flatten((step._fun, args, kwargs))
         static = Split(leaves).static
-        abstract = output(entry.jitted.trace(*entry.runs_of(dynamic)).out_info)
         if not n:  # nothing carried: the output is returned as it is
             aux_leaves, aux_def = jax.tree_util.tree_flatten(abstract)
             aux_static = tuple(UNSET if is_array_like(x) else x for x in aux_leaves)
