@@ -6,5 +6,5 @@ to a tree or its shapes (`plan`: `filter_plan`, `filter_init`), the per-device t
 compiling and measuring candidates (the folder `auto`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
-`eqxshard._shard_map` and this folder.
+`eqxshard._shard_map`, `eqxshard._step` (`Plan.jit` is `filter_jit`) and this folder.
 """
