@@ -10,7 +10,8 @@ import jax
 
 from .._tree import Flat, is_array_like, pathstr
 from . import layouts as _layouts
-from .call import _JitWrapper, _output
+from .call import _JitWrapper
+from .entry import output as _output
 from .jit import filter_jit
 from .pinned import pinned_ops
 from .static import call_path
