@@ -116,7 +116,7 @@ print(
 
 # Rows split over every device: each pulls back its own rows, no communication.
 devices = jax.device_count()
-mesh = jax.make_mesh((devices,), ("rows",))
+mesh = jax.make_mesh((devices,), ("rows",), axis_types=(jax.sharding.AxisType.Auto,))
 sharded = compiled(batched(eqxshard.filter_jacrev(model, batch_size=devices, mesh=mesh)), *args)
 d_input = sharded(*args)[1]
 np.testing.assert_allclose(d_input, expected[1], rtol=rtol, atol=rtol)

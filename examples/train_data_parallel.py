@@ -22,7 +22,7 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
 
@@ -49,9 +49,10 @@ def loss_fn(model: eqx.nn.MLP, x: jax.Array, y: jax.Array) -> jax.Array:
 
 
 def main() -> int:
-    # One mesh axis over every device. (`jax.make_mesh` gives Explicit axes on new JAX
-    # and Auto axes on older JAX; eqxshard handles both.)
-    mesh = jax.make_mesh((jax.device_count(),), ("data",))
+    # One mesh axis over every device, with Auto axes: most Equinox models are written for
+    # them (`jax.make_mesh`'s default since jax 0.9, Explicit axes, makes JAX ask an
+    # `Embedding` lookup or a `Conv` for `out_sharding=`). eqxshard handles both.
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(AxisType.Auto,))
     print(f"{jax.device_count()} devices, mesh {dict(mesh.shape)}")
 
     model = eqx.nn.MLP(8, 1, 64, 2, activation=jax.nn.gelu, key=jax.random.key(0))

@@ -116,7 +116,8 @@ def filter_restore(
 
         directory = tempfile.mkdtemp()
         make_model = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         saved = eqxshard.filter_replicate(make_model(jax.random.key(0)), mesh)
         eqxshard.filter_save(directory, 0, saved)
 

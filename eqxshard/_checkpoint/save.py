@@ -112,7 +112,8 @@ def filter_save(
         import tempfile
 
         directory = tempfile.mkdtemp()
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         model = eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0))
         model = eqxshard.filter_shard(model, mesh, eqxshard.fsdp("data"))
         eqxshard.filter_save(directory, 100, model)

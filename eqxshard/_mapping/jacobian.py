@@ -169,7 +169,7 @@ def filter_jacfwd(
         import jax.numpy as jnp
         import eqxshard
 
-        mesh = jax.make_mesh((8,), ("basis",))
+        mesh = jax.make_mesh((8,), ("basis",), axis_types=(jax.sharding.AxisType.Auto,))
 
         def f(x):
             return jnp.cumsum(jnp.sin(x))

@@ -95,7 +95,8 @@ def fsdp(axis: str | tuple[str, ...] = "data", *, min_size: int = 2**14) -> FSDP
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         model = eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0))
         model = eqxshard.filter_shard(model, mesh, eqxshard.fsdp("data"))
         ```

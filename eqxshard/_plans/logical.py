@@ -86,7 +86,9 @@ def logical(spec: Any, mapping: Mapping[str, str | tuple[str, ...] | None]) -> L
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        shape = (2, jax.device_count() // 2)
+        mesh = jax.make_mesh(shape, ("data", "model"), axis_types=auto)
         model = eqx.nn.MLP(16, 16, 64, 1, key=jax.random.key(0))  # up, then down
         rules = eqxshard.path_rules([
             (r"layers\\.0\\.weight", P("mlp", "embed")),

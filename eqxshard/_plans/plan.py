@@ -64,7 +64,8 @@ def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         key = jax.random.key(0)
         abstract = eqx.filter_eval_shape(lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key), key)
         plan = eqxshard.filter_plan(abstract, mesh, eqxshard.fsdp("data", min_size=0))
@@ -190,7 +191,8 @@ def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         make = lambda key: eqx.nn.MLP(256, 256, 1024, 2, key=key)
         model = eqxshard.filter_init(make, mesh, eqxshard.fsdp("data"))(jax.random.key(0))
         ```

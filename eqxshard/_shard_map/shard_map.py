@@ -244,7 +244,8 @@ def filter_shard_map(
         from jax.sharding import PartitionSpec as P
         import eqxshard
 
-        mesh = jax.make_mesh((jax.device_count(),), ("i",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("i",), axis_types=auto)
         model = eqx.nn.Linear(4, 4, key=jax.random.key(0))  # arrays and a static `use_bias`
 
         @eqx.filter_jit

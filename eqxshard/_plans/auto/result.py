@@ -168,8 +168,9 @@ class Plan:
             f"`Plan.{verb}` needs the devices, but this plan is for {self.mesh.size} devices "
             f"and this process has {jax.device_count()}. On the cluster, paste `repr(plan)` "
             "(its mesh is then built over the devices there), or build the mesh "
-            f"`jax.make_mesh({tuple(shape.values())}, {tuple(shape)})` and pass it with "
-            "`plan.rules` to `filter_shard` / `filter_init` (and `plan.batch_spec` for the "
+            f"`jax.make_mesh({tuple(shape.values())}, {tuple(shape)}, "
+            f"axis_types=(AxisType.Auto,) * {len(shape)})` (Auto axes, as planned) and pass it "
+            "with `plan.rules` to `filter_shard` / `filter_init` (and `plan.batch_spec` for the "
             "batch)."
         )
 
