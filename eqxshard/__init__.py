@@ -14,6 +14,7 @@ from ._mapping.jacobian import (
 )
 from ._mapping.map import filter_map as filter_map
 from ._mapping.stream import filter_stream as filter_stream
+from ._pipeline.stacked import Stacked as Stacked
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard

@@ -20,12 +20,13 @@ LAYERS = {
     "_placement": 1,
     "_mapping": 2,
     "_shard_map": 2,
-    "_plans": 3,
-    "_step": 4,
-    "_checkpoint": 5,
-    "_processes": 6,
-    "launch": 7,
-    "__init__": 7,
+    "_pipeline": 3,
+    "_plans": 4,
+    "_step": 5,
+    "_checkpoint": 6,
+    "_processes": 7,
+    "launch": 8,
+    "__init__": 8,
 }
 MAX_LINES = 320  # "about 300": a file past this is two concepts
 
