@@ -61,5 +61,7 @@ def stack_layers(layers: Sequence[Any]) -> Any:
                 "outside the stack), or make the blocks alike.",
             )
         )
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[eqx.filter(x, eqx.is_array) for x in layers])
+    stacked = jax.tree.map(
+        lambda *xs: jnp.stack(xs), *[eqx.filter(x, eqx.is_array) for x in layers]
+    )
     return eqx.combine(stacked, first_static)

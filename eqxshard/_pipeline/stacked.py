@@ -15,9 +15,7 @@ from .batching import batched_call, batching_of
 from .remat import check_remat, with_remat
 
 
-def scan_layers(
-    layer: Callable[[Any, Any], Any], blocks: Any, h: Any, remat: str = "none"
-) -> Any:
+def scan_layers(layer: Callable[[Any, Any], Any], blocks: Any, h: Any, remat: str = "none") -> Any:
     """`h` through every layer of `blocks` in order, as one `lax.scan` over the layer dim:
     the reference every pipeline is checked against."""
     params, static = eqx.partition(blocks, eqx.is_array)
@@ -232,9 +230,7 @@ class Stacked(eqx.Module):
             )
         return self._pipeline(_apply, self.blocks, h, mesh)
 
-    def _pipeline(
-        self, layer: Callable[[Any, Any], Any], blocks: Any, h: Any, mesh: Any
-    ) -> Any:
+    def _pipeline(self, layer: Callable[[Any, Any], Any], blocks: Any, h: Any, mesh: Any) -> Any:
         from .pipeline import filter_pipeline
 
         return filter_pipeline(
@@ -255,4 +251,3 @@ def _apply(block: Any, h: Any) -> Any:
 
 def _apply_vmapped(block: Any, h: Any) -> Any:
     return jax.vmap(block)(h)
-
