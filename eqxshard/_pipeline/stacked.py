@@ -46,7 +46,11 @@ def layer_count(blocks: Any, *, argname: str, verb: str) -> int:
         if d is not None:
             counts[d] = counts.get(d, 0) + 1
     n = max(counts, key=lambda d: counts[d]) if counts else None
-    bad = [(pathstr(p), f"shape {shape_str(x.shape)}") for (p, x), d in zip(leaves, dims) if d != n]
+    bad = [
+        (pathstr(p), f"shape {shape_str(x.shape)}")
+        for (p, x), d in zip(leaves, dims, strict=True)
+        if d != n
+    ]
     if n is None or bad:
         rows = bad or [(pathstr(p), "shape ()") for p, _ in leaves]
         raise ValueError(
