@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
 from eqxshard import Stacked
@@ -309,3 +309,13 @@ def test_batching_of_tells_where_the_vmap_is():
     jax.vmap(jax.grad(lambda h: states.append(batching_of(h)) or jnp.sum(h)))(jnp.ones((2, 3)))
     jax.grad(lambda h: states.append(batching_of(h)) or jnp.sum(h))(jnp.ones(3))
     assert states == ["innermost", "innermost", "innermost", "beneath", "none"]
+
+
+def test_the_plain_scan_runs_on_a_layer_dim_split_over_explicit_axes():
+    mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(AxisType.Explicit,) * 2)
+    stack = Stacked(make_blocks(8))
+    placed = eqxshard.filter_shard(stack, mesh, P("stage"))
+    x = jnp.ones((2, D))
+    ref = loop(stack.to_layers(), x)
+    close(jax.jit(lambda s, x: s(x))(placed, x), ref)
+    close(placed(x), ref)

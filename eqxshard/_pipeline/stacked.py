@@ -7,7 +7,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import _compat
 from .._tree import leaf_error, pathstr, shape_str
@@ -23,7 +23,24 @@ def scan_layers(layer: Callable[[Any, Any], Any], blocks: Any, h: Any, remat: st
     def step(h: Any, p: Any) -> tuple[Any, None]:
         return layer(eqx.combine(p, static), h), None
 
+    params = jax.tree.map(_whole_layer_dim, params)
     return jax.lax.scan(with_remat(step, remat), h, params)[0]
+
+
+def _whole_layer_dim(x: Any) -> Any:
+    """`x` with its layer dim whole where Explicit mesh axes split it (e.g. over the
+    stages), which `lax.scan` refuses to scan over: every device runs every layer."""
+    sharding = _compat.traced_sharding(x)
+    if sharding is None:
+        return x
+    entries = _compat.spec_entries(sharding.spec)
+    first = entries[0] if entries else None
+    names = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+    types = _compat.axis_type_map(sharding.mesh)
+    if not any(types.get(n) == AxisType.Explicit for n in names):
+        return x
+    whole = NamedSharding(sharding.mesh, PartitionSpec(None, *entries[1:]))
+    return _compat.reshard_explicit(x, whole)
 
 
 def layer_count(blocks: Any, *, argname: str, verb: str) -> int:
