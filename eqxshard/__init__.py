@@ -21,6 +21,7 @@ from ._placement.shard import filter_replicate as filter_replicate, filter_shard
 from ._plans.auto.links import LINKS as LINKS, Link as Link
 from ._plans.auto.result import Candidate as Candidate, Plan as Plan
 from ._plans.auto.search import auto_plan as auto_plan
+from ._plans.by_stage import StageRow as StageRow
 from ._plans.describe import (
     LeafRow as LeafRow,
     ShardingTable as ShardingTable,
