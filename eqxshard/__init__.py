@@ -14,6 +14,7 @@ from ._mapping.jacobian import (
 )
 from ._mapping.map import filter_map as filter_map
 from ._mapping.stream import filter_stream as filter_stream
+from ._pipeline.pipeline import filter_pipeline as filter_pipeline
 from ._pipeline.stacked import Stacked as Stacked
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
@@ -38,6 +39,7 @@ from ._plans.rules import (
     first as first,
     path_rules as path_rules,
 )
+from ._plans.stages import stages as stages
 from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map

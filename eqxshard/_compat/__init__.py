@@ -3,7 +3,8 @@
 Everything here is small on purpose: when JAX moves an API, this folder is what to fix.
 Supported: jax 0.7.2 (the lowest, tested in CI) to the newest release. The rest of
 eqxshard reads these names as `_compat.name`; each submodule holds one family:
-`arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers),
+`arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers,
+varying values in `shard_map`),
 `meshes` (ambient and abstract meshes, axis types, specs), `processes` (host gathers,
 global shapes, the detected cluster, the coordination-service client),
 `equinox_errors` (Equinox's private state for `eqx.error_if` messages, which
@@ -27,6 +28,7 @@ from .arrays import (
     memory_space as memory_space,
     reshard_explicit as reshard_explicit,
     shard_map_specs_from_trace as shard_map_specs_from_trace,
+    to_varying as to_varying,
     traced_memory_space as traced_memory_space,
     traced_sharding as traced_sharding,
     tracing as tracing,

@@ -241,3 +241,13 @@ def vmap_batching(leaves: list[Any]) -> str:
             else:
                 x = getattr(x, "primal", None)
     return state
+
+
+def to_varying(x: Any, axis: str) -> Any:
+    """`x` marked as varying over the manual mesh axis `axis` inside `shard_map`, so that it
+    can start a `scan` carry that collectives make varying: `jax.lax.pcast(x, (axis,),
+    to="varying")` from jax 0.8, `jax.lax.pvary(x, (axis,))` before it."""
+    pcast = getattr(jax.lax, "pcast", None)
+    if pcast is not None:
+        return pcast(x, (axis,), to="varying")
+    return jax.lax.pvary(x, (axis,))  # pyright: ignore[reportAttributeAccessIssue]

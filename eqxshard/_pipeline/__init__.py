@@ -1,10 +1,14 @@
-"""Pipelines: layer stacks run as one scan, or pipelined over a mesh axis.
+"""Pipelines: a stack of layers laid out over a mesh axis and run stage by stage, or as one
+scan.
 
-Owns `Stacked` (`stacked`: a module holding a stack of blocks with a leading layer dim,
-run by one `jax.lax.scan`), the named rematerialisation policies (`remat`, shared by every
-verb here that runs layers) and the batching rule that lets a pipelined stack see the
-whole batch under `jax.vmap` (`batching`).
+Owns `filter_pipeline` (`pipeline`), its per-stage program (`schedule`: the GPipe and
+circular loops, and regrouping a contiguously split stack into the chunks each stage
+runs), its argument checks (`checks`), the per-layer `remat` policies (`remat`) shared by
+everything here, `Stacked` (`stacked`: a module holding a stack of blocks, run by one
+`jax.lax.scan` or the pipeline; `convert`: stacking a list of blocks) and the batching
+rule that lets a pipelined stack see the whole batch under `jax.vmap` (`batching`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
-`eqxshard._shard_map` and this folder.
+`eqxshard._shard_map` and this folder; never `_plans` or anything above (`_plans` sits
+above it, so that rules and `auto_plan` can know about pipelines).
 """

@@ -1,6 +1,5 @@
-"""The `remat` policies of a layer stack's (or a pipeline's) layers: what each layer keeps
-for the backward pass and what it recomputes. One table for every verb here, so that
-`remat="dots"` means the same everywhere."""
+"""The `remat` policies of a pipeline's (or a layer stack's) layers: what each layer keeps for
+the backward pass and what it recomputes."""
 
 from __future__ import annotations
 
@@ -13,8 +12,9 @@ from jax.sharding import AbstractMesh, Mesh
 POLICIES = ("none", "dots", "full", "offload")
 
 
-def check_remat(verb: str, remat: Any, mesh: Mesh | AbstractMesh | None) -> str:
-    """`remat` as one of `POLICIES` (`None` is `"none"`), or a `ValueError` naming them."""
+def check_remat(verb: str, remat: Any, mesh: Mesh | AbstractMesh) -> str:
+    """`remat` as one of `POLICIES` (`None` is `"none"`); `"offload"` only where the devices
+    of `mesh` have a host memory (`pinned_host`) to offload to."""
     if remat is None:
         return "none"
     if not isinstance(remat, str) or remat not in POLICIES:
@@ -24,19 +24,27 @@ def check_remat(verb: str, remat: Any, mesh: Mesh | AbstractMesh | None) -> str:
             "matmul outputs and recomputes the rest, 'full' recomputes everything, "
             "'offload' moves the matmul outputs to host memory."
         )
-    del mesh  # which memories the mesh's devices have: checked where the pipeline runs
+    if remat == "offload" and isinstance(mesh, Mesh):
+        device = mesh.devices.flat[0]
+        kinds = {m.kind for m in device.addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise ValueError(
+                f"`{verb}(remat='offload')` moves residuals to host memory ('pinned_host'), "
+                f"but the {device.platform} devices of this mesh have only the memories "
+                f"{sorted(kinds)}. Use remat='dots' (keep matmul outputs on the device) or "
+                "remat='full' (recompute them) instead."
+            )
     return remat
 
 
 def with_remat(step: Callable[..., Any], remat: str) -> Callable[..., Any]:
-    """`step` (one layer) under `jax.checkpoint` with the policy `remat` names."""
-    policies = jax.checkpoint_policies
+    """`step` (one layer) wrapped in `jax.checkpoint` with the policy `remat` names."""
     if remat == "none":
         return step
     if remat == "full":
-        policy = policies.nothing_saveable
+        policy = jax.checkpoint_policies.nothing_saveable
     elif remat == "dots":
-        policy = policies.dots_with_no_batch_dims_saveable
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
     else:
-        policy = policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+        policy = jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
     return jax.checkpoint(step, policy=policy)

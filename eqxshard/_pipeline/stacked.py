@@ -185,7 +185,8 @@ class Stacked(eqx.Module):
         mesh: Mesh | AbstractMesh | None = None,
     ):
         layer_count(blocks, argname="blocks", verb="Stacked")
-        self.remat = check_remat("Stacked", remat, mesh)
+        # Without a mesh, "offload" is checked against the default device's memories.
+        self.remat = check_remat("Stacked", remat, mesh or Mesh(jax.devices()[:1], ("layers",)))
         _check_pipeline(axis, microbatches, repeats, mesh)
         self.blocks = blocks
         self.axis, self.microbatches, self.repeats, self.mesh = axis, microbatches, repeats, mesh

@@ -8,5 +8,5 @@ one sharding per leaf, and moving or checking inputs; `donate`: which array leav
 donated).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
-`eqxshard._shard_map`, `eqxshard._plans` and this folder.
+`eqxshard._shard_map`, `eqxshard._pipeline`, `eqxshard._plans` and this folder.
 """

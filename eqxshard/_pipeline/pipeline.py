@@ -1,0 +1,180 @@
+"""`filter_pipeline`: a stack of layers run as a pipeline over a mesh axis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jaxtyping import PyTree
+
+from .._shard_map.shard_map import filter_shard_map
+from . import checks
+from .remat import check_remat, with_remat
+from .schedule import run_stages, to_stage_major
+
+_VERB = "filter_pipeline"
+
+
+def run_pipeline(
+    verb: str,
+    layer: Callable[[Any, Any], Any],
+    blocks: Any,
+    x: Any,
+    *,
+    mesh: Mesh | AbstractMesh | None,
+    axis: str,
+    microbatches: int,
+    repeats: int,
+    remat: str | None,
+    stage_major: bool,
+) -> Any:
+    """`filter_pipeline`, also for a stack stored stage-major (`stage_major=True`: chunk
+    `r*S + s` of the layers is local chunk `r` of stage `s`, as `stack_stage_major` lays a
+    stack out), which runs the circular schedule without moving weights."""
+    checks.check_layer(verb, layer)
+    mesh = checks.get_mesh(verb, mesh, axis)
+    stages = dict(mesh.shape)[axis]
+    checks.check_counts(verb, microbatches, repeats, stages)
+    checks.layer_count(verb, blocks, stages, repeats)
+    batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
+    policy = check_remat(verb, remat, mesh)
+    weights, static = eqx.partition(blocks, eqx.is_array)
+    step = with_remat(lambda w, h: layer(eqx.combine(w, static), h), policy)
+    size = batch // microbatches
+
+    # Microbatch m is rows m, m+M, m+2M, ...: a batch split over data-parallel axes stays
+    # where it is (each device cuts its own rows), with no collective.
+    def cut(a: jax.Array) -> jax.Array:
+        return a.reshape(size, microbatches, *a.shape[1:]).swapaxes(0, 1)
+
+    def join(a: jax.Array) -> jax.Array:
+        return a.swapaxes(0, 1).reshape(batch, *a.shape[2:])
+
+    def per_stage(local: Any, xs: Any) -> Any:
+        if not stage_major:
+            local = to_stage_major(local, axis, stages, repeats)
+        return run_stages(
+            step, local, xs, axis=axis, stages=stages, microbatches=microbatches, repeats=repeats
+        )
+
+    # The mesh axes the batch is split over are mapped too, so each device runs its own
+    # rows (under Explicit axes the compiler would gather them otherwise); the others (a
+    # layer's "model" axis, an unsplit batch's axes inside `jit`) stay with the compiler.
+    rows = PartitionSpec(None, batch_axes or None)
+    mapped = filter_shard_map(
+        per_stage,
+        mesh=mesh,
+        in_specs=(PartitionSpec(axis), rows),
+        out_specs=rows,
+        axis_names={axis, *batch_axes},
+    )
+    return jax.tree.map(join, mapped(weights, jax.tree.map(cut, x)))
+
+
+def filter_pipeline(
+    layer: Callable[[Any, Any], Any],
+    blocks: PyTree,
+    x: PyTree,
+    *,
+    mesh: Mesh | AbstractMesh | None = None,
+    axis: str = "stage",
+    microbatches: int,
+    repeats: int = 1,
+    remat: str | None = None,
+) -> PyTree:
+    """Runs a stack of layers as a pipeline over the mesh axis `axis`: each stage holds
+    only its own layers, the batch is cut into microbatches, and activations pass from
+    stage to stage by collective permutes.
+
+    Returns what `jax.lax.scan(lambda h, b: (layer(b, h), None), x, blocks)[0]` returns,
+    with the same gradients with respect to `blocks` and `x`, eagerly and inside `jax.jit`
+    / `eqxshard.filter_jit` / `eqx.filter_jit`. The layer dim of `blocks` is split over
+    `axis` (`S` stages): stage `s` runs layers `s*n/S ..` (`repeats=1`, the GPipe schedule)
+    or, for `repeats=R`, the chunks `c` of `n/(S*R)` layers with `c % S == s` (the
+    circular schedule: a microbatch goes round the stages `R` times, and the idle time,
+    the bubble, falls from `(S-1)/(M+S-1)` to `(S-1)/(M*R+S-1)`). For `R > 1` a stack
+    split contiguously over the stages is first regrouped by one all-to-all of each
+    stage's weights (in the forward pass, and once more for their gradients); none of the
+    stacked weights is ever gathered whole. The mesh's other axes stay under the
+    compiler: a batch split over `"data"` stays split (microbatch `m` is rows `m, m+M,
+    ...`), and each stage's weights keep their layout over `"fsdp"`/`"model"` axes (lay
+    them out with `eqxshard.stages(axis)` in `first(...)` with other rules).
+
+    Microbatches fewer than the stages are refused (the pipeline would mostly idle, and
+    the circular schedule needs `M >= S`).
+
+    **Arguments:**
+
+    - `layer`: `layer(block, h) -> h`, one layer: `block` is one layer's slice of `blocks`
+        (its non-array leaves as they are), `h` a PyTree of arrays like `x` (a microbatch
+        of it), and the result has the structure, shapes and dtypes of `h`.
+    - `blocks`: a PyTree whose array leaves share a leading layer dim `n`, typically
+        `eqx.filter_vmap(make_block)(jax.random.split(key, n))`; its non-array leaves are
+        shared by every layer.
+    - `x`: an array, or a PyTree of arrays, with a leading batch dim.
+    - `mesh`: the mesh with the stage axis. `None` (default) uses the mesh set by
+        `jax.set_mesh`.
+    - `axis`: the name of the mesh axis the stages are laid out over (default `"stage"`).
+    - `microbatches`: how many pieces the batch is cut into (`M >= S`; the larger, the
+        smaller the bubble and each piece).
+    - `repeats`: how many chunks of layers each stage holds (`1`: GPipe; more: circular).
+    - `remat`: what each layer keeps for the backward pass:
+        - `None` or `"none"`: everything (the most memory, no recomputation);
+        - `"dots"`: the outputs of matmuls without batch dims; the rest is recomputed;
+        - `"full"`: nothing; the whole layer is recomputed;
+        - `"offload"`: matmul outputs moved to host memory (`pinned_host`) and back.
+
+    **Returns:**
+
+    The output of the last layer: a PyTree with the structure, shapes and dtypes of `x`.
+
+    **Raises:**
+
+    - `ValueError`: if no mesh is given or set; `axis` is not an axis of the mesh; the
+        array leaves of `blocks` (each named) do not share a leading dim, or there are
+        none; `n` is not divisible by stages x `repeats`; the leaves of `x` (each named)
+        do not share a leading dim, or it is not divisible by `microbatches` times the
+        data-parallel parts `x` is split into; `microbatches` or `repeats` is below 1;
+        `microbatches` is fewer than the stages; `remat` is not a policy named above, or
+        `"offload"` on devices without a host memory.
+    - `TypeError`: if `layer` is not callable, `mesh` is not a mesh, `microbatches` or
+        `repeats` is not an int, or `x` has non-array leaves (each named).
+
+    !!! Example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqxshard
+
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "stage"))
+        n = 2 * mesh.shape["stage"]  # layers
+        make = lambda key: eqx.nn.Linear(16, 16, key=key)
+        blocks = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), n))
+        blocks = eqxshard.filter_shard(blocks, mesh, eqxshard.stages("stage"))
+        x = jnp.ones((32, 16))
+
+        @eqx.filter_jit
+        def run(blocks, x):
+            layer = lambda block, h: jax.nn.tanh(jax.vmap(block)(h))
+            return eqxshard.filter_pipeline(layer, blocks, x, mesh=mesh, microbatches=8)
+
+        y = run(blocks, x)  # as jax.lax.scan over the n layers gives
+        ```
+    """
+    return run_pipeline(
+        _VERB,
+        layer,
+        blocks,
+        x,
+        mesh=mesh,
+        axis=axis,
+        microbatches=microbatches,
+        repeats=repeats,
+        remat=remat,
+        stage_major=False,
+    )

@@ -1,0 +1,124 @@
+"""The per-device program of a pipeline: each stage runs its own layers on one microbatch per
+tick and passes the result to the next stage by a collective permute.
+
+Runs inside `shard_map` over the stage axis (`S` stages). Each stage holds `R` chunks of
+`L` layers (`R` = `repeats`). Chunk `c` of the layer stack (layers `c*L .. c*L+L-1`) runs
+on stage `c % S`, as its local chunk `c // S`: for `R = 1` the GPipe schedule, for `R > 1`
+the circular one. The stack split contiguously over the stage axis gives stage `s` the
+chunks `s*R .. s*R+R-1`, so for `R > 1` the chunks are first sent to the stages that run
+them (`to_stage_major`: one all-to-all of the stage's weights, in the forward pass and its
+transpose in the backward pass); a stack already stored stage-major skips it.
+
+The loop runs `M*R + S - 1` ticks (`M` microbatches). At tick `t` stage `s` works on item
+`k = t - s` (microbatch `k % M`, pass `k // M`; idle when `k` is outside `0 .. M*R-1`: the
+bubble). Stage 0 takes microbatch `m` from the input on the first pass and from what the
+last stage sent back (kept in a buffer of `M` microbatches) on later ones, so circular
+needs `M >= S`. The last stage's results on the last pass are the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+
+
+def _send_tables(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
+    """For `to_stage_major`: `send[d, e, k]`, the local chunk stage `d` sends to stage `e`
+    in place `k`; `take[e, i]`, where (`d*Q + k`) stage `e` finds its local chunk `i`."""
+    per = math.ceil(repeats / stages)  # Q: chunks one stage sends another, at most
+    send = np.zeros((stages, stages, per), np.int32)
+    slot: dict[tuple[int, int], int] = {}
+    for d in range(stages):
+        for j in range(repeats):
+            e = (d * repeats + j) % stages
+            k = sum(1 for jj in range(j) if (d * repeats + jj) % stages == e)
+            send[d, e, k] = j
+            slot[(d, j)] = k
+    take = np.zeros((stages, repeats), np.int32)
+    for e in range(stages):
+        for i in range(repeats):
+            d, j = divmod(i * stages + e, repeats)
+            take[e, i] = d * per + slot[(d, j)]
+    return send, take
+
+
+def to_stage_major(local: Any, axis: str, stages: int, repeats: int) -> Any:
+    """Inside `shard_map`: each stage's slice of a layer stack split contiguously (chunks
+    `s*R ..`) turned into the chunks it runs (`c` with `c % S == s`), by one all-to-all."""
+    if repeats == 1 or stages == 1:
+        return local
+    send, take = _send_tables(stages, repeats)
+    s = jax.lax.axis_index(axis)
+
+    def move(a: jax.Array) -> jax.Array:
+        chunks = a.reshape(repeats, a.shape[0] // repeats, *a.shape[1:])
+        out = chunks[jnp.asarray(send)[s]]  # (S, Q, L, ...): what goes to each stage
+        got = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # (S, Q, L, ...) by sender
+        got = got.reshape(-1, *chunks.shape[1:])
+        return got[jnp.asarray(take)[s]].reshape(a.shape)
+
+    return jax.tree.map(move, local)
+
+
+def run_stages(
+    step: Callable[[Any, Any], Any],
+    local: Any,
+    xs: Any,
+    *,
+    axis: str,
+    stages: int,
+    microbatches: int,
+    repeats: int,
+) -> Any:
+    """The loop on one stage. `step(weights_of_one_layer, h) -> h`; `local`: this stage's
+    layers, stage-major (`R*L` leading); `xs`: the input cut into microbatches (`M`
+    leading). Returns the output's microbatches, the same on every stage."""
+    S, M, R = stages, microbatches, repeats
+    s = jax.lax.axis_index(axis)
+    local = jax.tree.map(lambda a: a.reshape(R, a.shape[0] // R, *a.shape[1:]), local)
+    ring = [(i, (i + 1) % S) for i in range(S)]
+
+    def pick(cond: Any, a: Any, b: Any) -> Any:
+        return jax.tree.map(lambda u, v: jnp.where(cond, u, v), a, b)
+
+    def get(tree: Any, i: Any) -> Any:
+        return jax.tree.map(lambda a: a[i], tree)
+
+    def put(tree: Any, i: Any, value: Any, cond: Any) -> Any:
+        return jax.tree.map(lambda a, v: a.at[i].set(jnp.where(cond, v, a[i])), tree, value)
+
+    def chunk(r: Any, h: Any) -> Any:
+        weights = get(local, r)
+        return jax.lax.scan(lambda h, w: (step(w, h), None), h, weights)[0]
+
+    def item(k: Any) -> tuple[Any, Any, Any]:
+        """Work item `k`: whether it exists, its pass and its microbatch."""
+        kc = jnp.clip(k, 0, M * R - 1)
+        return (k >= 0) & (k < M * R), kc // M, kc % M
+
+    def tick(state: tuple[Any, Any, Any], t: Any) -> tuple[tuple[Any, Any, Any], None]:
+        carry, back, outs = state
+        valid, r, m = item(t - s)
+        first = pick(r == 0, get(xs, m), get(back, m))
+        h = chunk(r, pick(s == 0, first, carry))
+        outs = put(outs, m, h, valid & (s == S - 1) & (r == R - 1))
+        sent = jax.tree.map(lambda a: jax.lax.ppermute(a, axis, ring), h)
+        # Stage 0 keeps what the last stage sent it for that microbatch's next pass.
+        valid, r, m = item(t - (S - 1))
+        back = put(back, m, sent, (s == 0) & valid & (r < R - 1))
+        return (sent, back, outs), None
+
+    vary = lambda tree: jax.tree.map(lambda a: _compat.to_varying(a, axis), tree)
+    zeros = jax.tree.map(jnp.zeros_like, xs)
+    init = (vary(get(zeros, 0)), vary(zeros), vary(zeros))
+    (_, _, outs), _ = jax.lax.scan(tick, init, jnp.arange(M * R + S - 1))
+    # Only the last stage holds the output: the sum over stages gives it to every stage.
+    last = jax.tree.map(lambda a: jnp.where(s == S - 1, a, jnp.zeros_like(a)), outs)
+    return jax.lax.psum(last, axis)
