@@ -139,7 +139,9 @@ def test_full_remat_keeps_less_than_none_for_the_backward_pass():
     def temp_bytes(remat):
         s = Stacked(stack.blocks, remat=remat)
         fn = jax.jit(jax.grad(lambda s: jnp.sum(jax.vmap(s)(x) ** 2)))
-        return fn.lower(s).compile().memory_analysis().temp_size_in_bytes
+        memory = fn.lower(s).compile().memory_analysis()
+        assert memory is not None
+        return memory.temp_size_in_bytes
 
     assert temp_bytes("full") < temp_bytes("none")
 

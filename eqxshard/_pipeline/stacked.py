@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionS
 from .. import _compat
 from .._tree import leaf_error, pathstr, shape_str
 from .batching import batched_call, batching_of
+from .pipeline import filter_pipeline
 from .remat import check_remat, with_remat
 
 
@@ -253,15 +254,15 @@ class Stacked(eqx.Module):
         return self._pipeline(_apply, self.blocks, h, mesh)
 
     def _pipeline(self, layer: Callable[[Any, Any], Any], blocks: Any, h: Any, mesh: Any) -> Any:
-        from .pipeline import filter_pipeline
-
+        # Reached only with `axis` and `microbatches` set (`_pipeline_mesh` checks `axis`,
+        # `__init__` requires `microbatches` with it).
         return filter_pipeline(
             layer,
             blocks,
             h,
             mesh=mesh,
-            axis=self.axis,
-            microbatches=self.microbatches,
+            axis=cast(str, self.axis),
+            microbatches=cast(int, self.microbatches),
             repeats=self.repeats,
             remat=self.remat,
         )
