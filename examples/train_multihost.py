@@ -87,6 +87,22 @@ def local_batch(step: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     return read_rows(start, start + per_process)
 
 
+def check_batch(batch_size: int) -> None:
+    """Stops at start-up, on every process alike, where the global batch does not split
+    evenly over this run's devices (e.g. after a restart on fewer hosts)."""
+    devices, processes = jax.device_count(), jax.process_count()
+    if batch_size % devices:
+        raise SystemExit(
+            f"--batch-size {batch_size} does not split over the {devices} devices of this "
+            f"run ({processes} process{'es' if processes != 1 else ''} x "
+            f"{jax.local_device_count()} devices): "
+            f"{batch_size} % {devices} = {batch_size % devices}. Give a multiple of "
+            f"{devices} (e.g. {batch_size - batch_size % devices or devices}); for a run "
+            "that may go on with fewer hosts (`--min-hosts`), one that every device count "
+            "it may shrink to divides (48 divides 8, 6 and 4)."
+        )
+
+
 def make_model(key: jax.Array) -> eqx.nn.MLP:
     return eqx.nn.MLP(FEATURES, 1, WIDTH, DEPTH, activation=jax.nn.gelu, key=key)
 
@@ -114,10 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     is_logger = jax.process_index() == 0
     log = print if is_logger else (lambda *a, **k: None)
     log(f"joined by {how}: {report}")
-    if args.batch_size % jax.device_count():
-        raise SystemExit(
-            f"--batch-size {args.batch_size} must be a multiple of the {jax.device_count()} devices"
-        )
+    # The global batch stays the same whatever the run's size (a run restarted on fewer
+    # hosts gives each process more rows), so it must split evenly over every device.
+    check_batch(args.batch_size)
 
     # One axis over every device of every process. Auto axes: XLA inserts the gradient
     # all-reduce (and, with --fsdp, the parameter all-gathers) by itself.

@@ -40,24 +40,14 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The eqxshard modules `name` imports at run time (imports in `if TYPE_CHECKING:`
-    blocks are for annotations only and are left out)."""
+    """The eqxshard modules `name` imports, wherever the import stands: at the top, inside
+    a function, or under `if TYPE_CHECKING:` (an import for annotations only is still a
+    dependency, and a cycle through one is still a cycle)."""
     is_package = path.name == "__init__.py"
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".")
@@ -108,8 +98,7 @@ def test_imports_go_down_the_layers() -> None:
     assert not wrong, "imports against the layering of ARCHITECTURE.md:\n" + "\n".join(wrong)
 
 
-def test_no_import_cycle() -> None:
-    graph = _graph()
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[list[str]] = []
 
@@ -125,7 +114,23 @@ def test_no_import_cycle() -> None:
     for node in sorted(graph):
         if node not in state:
             walk(node, [node])
+    return cycles
+
+
+def test_no_import_cycle_between_files() -> None:
+    cycles = _cycles(_graph())
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_between_folders() -> None:
+    folders: dict[str, set[str]] = {}
+    for module, imported in _graph().items():
+        a = _component(module)
+        folders.setdefault(a, set()).update(_component(m) for m in imported if _component(m) != a)
+    cycles = _cycles(folders)
+    assert not cycles, "import cycles between folders:\n" + "\n".join(
+        " -> ".join(c) for c in cycles
+    )
 
 
 def test_no_file_over_about_300_lines() -> None:
@@ -190,3 +195,17 @@ def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     (tmp_path / "x.py").write_text("from .._plans import rules\nfrom .._plans.rules import a\n")
     found = _imports("eqxshard._placement.x", tmp_path / "x.py", modules)
     assert found == {"eqxshard._plans.rules"}
+
+
+def test_the_checker_sees_a_cycle_through_type_checking(tmp_path: Path) -> None:
+    # An import for annotations only still ties the two files together: the cycle
+    # table <-> view must be found although one side is under `if TYPE_CHECKING:`.
+    (tmp_path / "table.py").write_text("from . import view\n")
+    (tmp_path / "view.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .table import T\n"
+    )
+    modules = {f"eqxshard._plans.{n}": tmp_path / f"{n}.py" for n in ("table", "view")}
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert _cycles(graph) == [
+        ["eqxshard._plans.table", "eqxshard._plans.view", "eqxshard._plans.table"]
+    ]

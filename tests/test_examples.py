@@ -143,3 +143,16 @@ def test_example_adapts_to_device_count(path: Path, devices: int):
     else:
         assert result.returncode == 0, output
     assert re.search(rf"\b{devices} (local of {devices} )?devices\b", result.stdout), output
+
+
+def test_multihost_batch_that_does_not_split_says_the_sizes_and_the_fix(tmp_path: Path):
+    """As after a restart on fewer hosts: the global batch no longer divides the devices."""
+    script = ROOT / "examples" / "train_multihost.py"
+    six = {"JAX_NUM_CPU_DEVICES": "6"}
+    result = run_script(script, "--steps", "2", "--batch-size", "64", env=six)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert (
+        "--batch-size 64 does not split over the 6 devices of this run (1 process x 6 "
+        "devices): 64 % 6 = 4. Give a multiple of 6 (e.g. 60)"
+    ) in result.stderr, result.stderr
+    assert "step 1 loss" not in result.stdout  # stopped at start-up

@@ -93,6 +93,14 @@ def test_placements_and_the_remote_command(tmp_path: Path) -> None:
             ValueError,
             r"`num_processes` is 3, but 2 hosts x 1 processes per host make 2",
         ),
+        ({"hosts": ["a", "b"], "min_hosts": 0}, ValueError, r"`min_hosts` must be at least 1"),
+        ({"hosts": ["a", "b"], "min_hosts": "1"}, TypeError, r"`min_hosts` must be an int"),
+        (
+            {"hosts": ["a", "b"], "min_hosts": 3},
+            ValueError,
+            r"`min_hosts` is 3, but the run has 2 hosts: give at most 2",
+        ),
+        ({"min_hosts": 1}, ValueError, r"`min_hosts` \(1\) is for runs on hosts: give `hosts`"),
     ],
 )
 def test_bad_launch_arguments(kwargs, error, match) -> None:
@@ -170,3 +178,13 @@ def test_restarts_on_this_machine(tmp_path: Path, capfd) -> None:
     code = launcher.launch([str(script)], num_processes=2, max_restarts=0, grace=0.5, timeout=120)
     assert code == 3
     assert "no restarts left" not in capfd.readouterr().err
+
+
+def test_cli_min_hosts_errors(capsys) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        launcher.main(["--hosts", "a,b", "--min-hosts", "3", "--", "x.py"])
+    assert stopped.value.code == 2
+    assert "`min_hosts` is 3, but the run has 2 hosts: give at most 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        launcher.main(["-n", "2", "--min-hosts", "1", "--", "x.py"])
+    assert "`min_hosts` (1) is for runs on hosts" in capsys.readouterr().err

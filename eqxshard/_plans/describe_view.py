@@ -10,15 +10,32 @@ the table; nothing here computes a plan.
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from jax.sharding import NamedSharding, Sharding
 
 from .._tree import device_name, format_bytes
 
-if TYPE_CHECKING:  # the table draws itself through this module: no import at run time
-    from .table import LeafRow, ShardingTable
+
+# What the pictures read of a `LeafRow` and a `ShardingTable` (`table.py`), named here so
+# that this module needs no import of the table, which draws itself through this module.
+class LeafRowLike(Protocol):
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def sharding(self) -> Sharding | None: ...
+
+
+class ShardingTableLike(Protocol):
+    @property
+    def rows(self) -> Sequence[LeafRowLike]: ...
+    @property
+    def bytes_per_device(self) -> dict[Any, int]: ...
+    def _columns(self) -> tuple[list[str], list[list[str]]]: ...
+    def _summary(self) -> list[str]: ...
+
 
 # Distinct, readable on white and on dark backgrounds; cycled beyond ten blocks.
 PALETTE = [
@@ -38,7 +55,7 @@ BAR_WIDTH = 30  # characters of the longest bar in a terminal
 CELL = 14  # pixels of one device in an HTML grid
 
 
-def layout_grid(row: LeafRow) -> np.ndarray | None:
+def layout_grid(row: LeafRowLike) -> np.ndarray | None:
     """The leaf's block number on each device, laid out as its mesh (2-D: the first mesh
     axis down, the others across), or `None` when there is no mesh of devices to draw
     (not placed, or an abstract mesh)."""
@@ -63,7 +80,7 @@ def layout_grid(row: LeafRow) -> np.ndarray | None:
     return grid
 
 
-def _bars(table: ShardingTable) -> list[tuple[str, int, float]]:
+def _bars(table: ShardingTableLike) -> list[tuple[str, int, float]]:
     """(device, bytes, fraction of the fullest device) for every device."""
     most = max(table.bytes_per_device.values(), default=0) or 1
     return [(device_name(d), b, b / most) for d, b in table.bytes_per_device.items()]
@@ -84,7 +101,7 @@ def _grid_svg(grid: np.ndarray) -> str:
     )
 
 
-def to_html(table: ShardingTable) -> str:
+def to_html(table: ShardingTableLike) -> str:
     """A styled HTML table with a layout grid per leaf, then the per-device bars."""
     header, body = table._columns()
     td = 'style="padding:2px 8px;border-bottom:1px solid #8884;text-align:{}"'
@@ -121,7 +138,7 @@ def to_html(table: ShardingTable) -> str:
     )
 
 
-def to_rich(table: ShardingTable) -> Any:
+def to_rich(table: ShardingTableLike) -> Any:
     """A rich renderable: the table with a coloured layout grid per leaf, then the bars."""
     from rich.console import Group
     from rich.table import Table

@@ -19,9 +19,11 @@ from collections.abc import Callable, Sequence
 from typing import IO
 
 from .children import _POLL_S, _end_all, _exit_code, _Stopped
+from .clusters import JOINED_LINE
 from .gloo_chatter import GlooChatter
 from .hosts import SSH_FAILED
 
+_JOINED = JOINED_LINE.encode()
 TIMEOUT_EXIT = 124
 INTERRUPT_EXIT = 130
 # Lines of each process's stderr kept, to quote when its host could not be started.
@@ -47,11 +49,19 @@ class Outcome:
       `"unstarted"` (a host could not be started: the run stops), `"timeout"`,
       `"interrupted"` or `"stopped"` (the launcher got a signal).
     - `message`: what happened, for the launcher's `[launch]` line.
+    - `host`: where the process that ended it ran (`None`: this machine, or none).
+    - `joined`: whether that process had joined the run (`initialize` said so).
+    - `since`: when the launcher saw the first process end badly (`time.monotonic()`).
+    - `why`: for `"failed"` and `"unstarted"`, the message's first part alone.
     """
 
     code: int
     kind: str
     message: str = ""
+    host: str | None = None
+    joined: bool = False
+    since: float = 0.0
+    why: str = ""
 
 
 class _Process:
@@ -60,6 +70,7 @@ class _Process:
         self.popen = popen
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=_KEPT_LINES)
         self.printed = threading.Event()  # a line came on its stdout
+        self.joined = threading.Event()  # `initialize` said it joined the run
 
     def where(self) -> str:
         host = f" on {self.start.host}" if self.start.host is not None else ""
@@ -100,11 +111,18 @@ def _forward(
     lock: threading.Lock,
     process: _Process,
     is_stderr: bool,
+    on_joined: Callable[[], None],
 ) -> None:
     chatter = GlooChatter()  # one per process: its messages can be split over two lines
     for line in iter(stream.readline, b""):
         if not line.endswith(b"\n"):
             line += b"\n"
+        if is_stderr and _JOINED in line:  # for the launcher, not shown
+            process.joined.set()
+            on_joined()
+            line = line.replace(_JOINED, b"")
+            if not line.strip():
+                continue
         if is_stderr:
             process.stderr_tail.append(line.decode(errors="replace").rstrip())
         else:
@@ -127,10 +145,23 @@ def run_attempt(
     timeout: float | None,
     grace: float,
     remote: bool,
+    on_joined: Callable[[], None] | None = None,
 ) -> Outcome:
     """Starts `starts`, waits for them; see the module. Raises `OSError` with the host in
-    its message when a process cannot be started at all (e.g. the template is missing)."""
+    its message when a process cannot be started at all (e.g. the template is missing).
+    `on_joined` is called once, when every process has said that it joined the run."""
     procs: list[_Process] = []
+    told, all_joined = threading.Lock(), threading.Event()
+
+    def one_joined() -> None:
+        with told:
+            if all_joined.is_set() or len(procs) < len(starts):
+                return
+            if all(p.joined.is_set() for p in procs):
+                all_joined.set()
+                if on_joined is not None:
+                    on_joined()
+
     exits: queue.Queue[tuple[int, int]] = queue.Queue()  # (index, return code), in exit order
     threads: list[threading.Thread] = []
     handlers = {}
@@ -164,7 +195,7 @@ def run_attempt(
                 assert stream is not None
                 t = threading.Thread(
                     target=_forward,
-                    args=(stream, prefix, sink, lock, process, is_err),
+                    args=(stream, prefix, sink, lock, process, is_err, one_joined),
                     daemon=True,
                 )
                 t.start()
@@ -185,7 +216,8 @@ def run_attempt(
             # A peer of a process that was killed ends as soon as it sees the loss, maybe
             # before the launcher heard of the kill: wait a moment for exits arriving at the
             # same time and report the root cause (a process killed by a signal) first.
-            ended, settle = [(index, returncode)], time.monotonic() + SETTLE_S
+            since = time.monotonic()
+            ended, settle = [(index, returncode)], since + SETTLE_S
             while remaining and (left := settle - time.monotonic()) > 0:
                 try:
                     other = exits.get(timeout=left)
@@ -203,16 +235,23 @@ def run_attempt(
             if remote and returncode == SSH_FAILED and not process.printed.is_set():
                 said = " | ".join(process.stderr_tail) or "(it printed nothing)"
                 template = " ".join(process.start.argv[: _template_length(process.start)])
+                why = f"`{template}` exited with {returncode}: {said}"
                 return Outcome(
                     _exit_code(returncode),
                     "unstarted",
-                    f"cannot start {process.where()}: `{template}` exited with {returncode}: "
-                    f"{said}; stopping the run ({others})",
+                    f"cannot start {process.where()}: {why}; stopping the run ({others})",
+                    host=process.start.host,
+                    since=since,
+                    why=why,
                 )
             return Outcome(
                 _exit_code(returncode),
                 "failed",
                 f"{process.where()} exited with {how_it_ended(returncode)}; {others}",
+                host=process.start.host,
+                joined=process.joined.is_set(),
+                since=since,
+                why=f"{process.where()} exited with {how_it_ended(returncode)}",
             )
         return Outcome(0, "done")
     except KeyboardInterrupt:

@@ -48,6 +48,9 @@ INITIALIZATION_TIMEOUT_VAR = "EQXSHARD_INITIALIZATION_TIMEOUT"
 HOSTS_VAR = "EQXSHARD_HOSTS"
 PROCESSES_PER_HOST_VAR = "EQXSHARD_PROCESSES_PER_HOST"
 RESTART_VAR = "EQXSHARD_RESTART_COUNT"
+# What `initialize` writes on stderr, under the launcher, once this process joined the run:
+# the launcher takes it off the output, and tells a failure at start-up from a later one.
+JOINED_LINE = "eqxshard.launch: this process joined the run"
 
 # Open MPI (4 and 5) sets these for each process `mpirun` starts; 4 also sets ORTE_URI.
 OMPI_SIZE, OMPI_RANK = "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"

@@ -9,6 +9,7 @@ run ends up with is checked against the one the launcher said.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import jax
@@ -204,6 +205,8 @@ def initialize(
             raise RuntimeError(taken) from e
         raise
     _check_count(join)
+    if join.how == "eqxshard.launch" and clusters.RESTART_VAR in os.environ:
+        print(clusters.JOINED_LINE, file=sys.stderr, flush=True)  # for the launcher only
     if jax.process_count() > 1:
         joining.after()
         if exit_on_error:

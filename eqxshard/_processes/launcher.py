@@ -24,12 +24,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from .attempt import (
     INTERRUPT_EXIT as INTERRUPT_EXIT,
     TIMEOUT_EXIT as TIMEOUT_EXIT,
-    Start,
+    Outcome,
     run_attempt,
 )
 from .children import (
@@ -37,53 +37,10 @@ from .children import (
     child_command as child_command,
     free_port as free_port,
     process_env as process_env,
-    run_variables,
 )
-from .hosts import (
-    DEFAULT_REMOTE,
-    check_hosts,
-    check_template,
-    default_port,
-    placements,
-    read_hostfile,
-    remote_argv,
-    script_command,
-)
-from .launcher_args import _check_arguments, _check_hosts_arguments, _parser
-
-
-def _starts(
-    command: Sequence[str],
-    *,
-    num_processes: int,
-    hosts: Sequence[str] | None,
-    processes_per_host: int,
-    template: list[str],
-    port: int,
-    base: Mapping[str, str],
-    restart: int,
-    variables: dict[str, int | None],
-) -> list[Start]:
-    """How to start each process of one attempt."""
-    starts = []
-    coordinator_host = "127.0.0.1" if hosts is None else hosts[0]
-    for place in placements(hosts, num_processes):
-        run = run_variables(
-            process_id=place.process_id,
-            num_processes=num_processes,
-            coordinator=f"{coordinator_host}:{port}",
-            hosts=hosts,
-            processes_per_host=processes_per_host if hosts is not None else None,
-            restart=restart,
-            **variables,  # pyright: ignore[reportArgumentType]
-        )
-        if place.host is None:
-            env = {**base, **run}
-            starts.append(Start(place.process_id, child_command(command), env, None))
-        else:
-            argv = remote_argv(template, place.host, run, script_command(command))
-            starts.append(Start(place.process_id, argv, dict(base), place.host))
-    return starts
+from .hosts import DEFAULT_REMOTE, check_hosts, check_template, default_port, read_hostfile
+from .launcher_args import _check_arguments, _check_hosts_arguments, _check_min_hosts, _parser
+from .membership import PROBE_S, Membership, attempt_starts, probe
 
 
 def launch(
@@ -96,6 +53,7 @@ def launch(
     remote: str = DEFAULT_REMOTE,
     port: int | None = None,
     max_restarts: int = 0,
+    min_hosts: int | None = None,
     heartbeat_timeout: int | None = None,
     initialization_timeout: int | None = None,
     timeout: float | None = None,
@@ -120,12 +78,22 @@ def launch(
       process runs as its words, then `env NAME=VALUE ...` and the command, each word
       quoted for a shell, as ssh passes them to the remote shell. A template exiting
       with 255 (ssh's code for "could not connect") before its process printed a line
-      stops the run at once: that host cannot be started.
+      stops the run at once (without `min_hosts`): that host cannot be started.
     - `port`: the coordinator's port. `None`: a free one on this machine; on hosts, a
       random one in 61440-65535. Restart `r` uses `port + r` (the processes of the
       attempt before may still hold `port` on a host ssh does not end them on).
     - `max_restarts`: after a process ends badly, end the others and start the run
       again, up to this many times (the script resumes from its checkpoint itself).
+    - `min_hosts`: with `hosts`, the fewest hosts the run may go on with. A host that
+      cannot be started again (before a restart, the template cannot run `true` there
+      within 30 s; its start fails with 255; or its process, whose failure caused the
+      restart, fails again before joining the run) is left out, and the run goes on
+      with the processes of the others (renumbered; `initialize()` reads the new count),
+      as long as at least `min_hosts` remain; else the run stops. Before each restart
+      every host left out is tried again and taken in if it answers (one whose process
+      failed at start-up twice stays out). Each is said in a `[launch]` line, and how
+      long the run took to be back (every process joined) after a failure. `None`:
+      every host (a host that cannot be started stops the run).
     - `heartbeat_timeout`, `initialization_timeout`: seconds, passed to each process's
       `eqxshard.initialize()` (see there); `None` leaves them to it.
     - `timeout`: seconds the whole run may take, restarts included; `None`: no limit.
@@ -144,8 +112,8 @@ def launch(
     - `TypeError`: if an argument has the wrong type (e.g. `command` a string).
     - `ValueError`: if `command` is empty, a count or `timeout` is not positive, `port`
       is not in 1..65535, `grace` or `max_restarts` is negative, `hosts` is empty or
-      names a host twice, `remote` has no `{host}`, or `num_processes` disagrees with
-      `hosts`.
+      names a host twice, `remote` has no `{host}`, `num_processes` disagrees with
+      `hosts`, or `min_hosts` is given without `hosts` or is not in 1..`len(hosts)`.
     - `OSError`: if a process cannot be started (the program or template is missing);
       the message names the process and host. `FileNotFoundError`, before anything is
       started, if the script (`script.py`) of a run on this machine does not exist.
@@ -162,6 +130,7 @@ def launch(
                 f"{processes_per_host} processes per host make {total}: leave it out."
             )
         num_processes = total
+    _check_min_hosts(min_hosts, hosts)
     _check_arguments(command, num_processes, devices_per_process, port, timeout, grace, env)
     assert num_processes is not None
     if hosts is None and command[0].endswith(".py") and not os.path.exists(command[0]):
@@ -185,27 +154,32 @@ def launch(
         "heartbeat_timeout": heartbeat_timeout,
         "initialization_timeout": initialization_timeout,
     }
-    restart = 0
+    members = Membership(list(hosts or []), min_hosts or len(hosts or []), processes_per_host)
+    # `restart` counts the restarts after failures (`--max-restarts`); `attempt` every start
+    # (also those again at once without a host that could not be started).
+    restart = attempt = 0
+    lost: Outcome | None = None  # the failure the attempt after it recovers from
     while True:
         if first_port is None:
             attempt_port = free_port()
         else:
-            attempt_port = 1024 + (first_port - 1024 + restart) % (65536 - 1024)
-        starts = _starts(
+            attempt_port = 1024 + (first_port - 1024 + attempt) % (65536 - 1024)
+        current = members.current() if hosts is not None else None
+        starts = attempt_starts(
             command,
-            num_processes=num_processes,
-            hosts=hosts,
+            num_processes=num_processes if current is None else len(current) * processes_per_host,
+            hosts=current,
             processes_per_host=processes_per_host,
             template=template,
             port=attempt_port,
             base=base,
-            restart=restart,
+            restart=attempt,
             variables=variables,
         )
-        if hosts is not None:
+        if current is not None:
             note(
-                f"{num_processes} processes on {len(hosts)} hosts, coordinator "
-                f"{hosts[0]}:{attempt_port}" + (f" (restart {restart})" if restart else "")
+                f"{len(starts)} processes on {len(current)} hosts, coordinator "
+                f"{current[0]}:{attempt_port}" + (f" (restart {restart})" if restart else "")
             )
         outcome = run_attempt(
             starts,
@@ -217,7 +191,25 @@ def launch(
             timeout=timeout,
             grace=grace,
             remote=hosts is not None,
+            on_joined=None if lost is None else _back(note, lost, len(starts), current),
         )
+        attempt += 1
+        if outcome.kind == "unstarted" and members.shrinks and outcome.host is not None:
+            note(members.leave_out(outcome.host, f"it cannot be started: {outcome.why}"))
+            if not members.enough():
+                note(members.too_few())
+                return outcome.code
+            continue  # at once, without it: no restart used
+        if outcome.kind == "failed" and members.shrinks and outcome.host is not None:
+            if lost is not None and lost.host == outcome.host and not outcome.joined:
+                why = (
+                    f"it failed again at start-up ({outcome.why}, before joining the run); "
+                    "it stays out for the rest of the run"
+                )
+                note(members.leave_out(outcome.host, why, for_good=True))
+                if not members.enough():
+                    note(members.too_few())
+                    return outcome.code
         if outcome.kind != "failed" or restart >= max_restarts:
             if outcome.message:
                 note(outcome.message)
@@ -225,7 +217,27 @@ def launch(
                 note(f"no restarts left (--max-restarts {max_restarts}); the run failed")
             return outcome.code
         restart += 1
+        lost = outcome
         note(f"{outcome.message}; restarting the run (restart {restart} of {max_restarts})")
+        if members.shrinks:
+            for line in members.refresh(probe(template, members.to_probe(), base, PROBE_S)):
+                note(line)
+            if not members.enough():
+                note(members.too_few())
+                return outcome.code
+
+
+def _back(note: Callable[[str], None], lost: Outcome, processes: int, hosts: list[str] | None):
+    """What the launcher says once every process of a restarted run joined it."""
+
+    def said() -> None:
+        where = f" on {len(hosts)} hosts" if hosts is not None else ""
+        note(
+            f"the run is back {time.monotonic() - lost.since:.1f} s after {lost.why}: "
+            f"{processes} processes{where} joined it"
+        )
+
+    return said
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -256,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             remote=args.remote,
             port=args.port,
             max_restarts=args.max_restarts,
+            min_hosts=args.min_hosts,
             heartbeat_timeout=args.heartbeat_timeout,
             initialization_timeout=args.initialization_timeout,
             timeout=args.timeout,

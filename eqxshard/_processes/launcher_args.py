@@ -103,6 +103,23 @@ def _check_hosts_arguments(
     _check_count("initialization_timeout", initialization_timeout, optional=True)
 
 
+def _check_min_hosts(min_hosts: object, hosts: Sequence[str] | None) -> None:
+    """`min_hosts`: `None`, or an int in 1..len(hosts) with `hosts` given."""
+    if min_hosts is None:
+        return
+    _check_count("min_hosts", min_hosts, optional=False)
+    if hosts is None:
+        raise ValueError(
+            f"`min_hosts` ({min_hosts}) is for runs on hosts: give `hosts` (`--hosts` or "
+            "`--hostfile`), or leave it out."
+        )
+    if min_hosts > len(hosts):  # type: ignore[operator]
+        raise ValueError(
+            f"`min_hosts` is {min_hosts}, but the run has {len(hosts)} hosts: give at most "
+            f"{len(hosts)} (the run goes on while at least `min_hosts` hosts can be started)."
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m eqxshard.launch",
@@ -149,6 +166,14 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="start the run again after a process fails, up to this many times (default 0)",
+    )
+    parser.add_argument(
+        "--min-hosts",
+        type=int,
+        default=None,
+        help="with --hosts/--hostfile: go on without hosts that cannot be started (again, "
+        "at a restart of --max-restarts) while at least this many remain; a host that "
+        "answers again is taken in at a later restart (default: all hosts)",
     )
     parser.add_argument(
         "--heartbeat-timeout",

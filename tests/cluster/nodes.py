@@ -9,6 +9,8 @@ address, host name and `/etc/hosts`, all joined by one bridge.
 joins WORDS with spaces and runs them with `sh -c` inside node HOST, as ssh runs a command
 through the remote shell; an unknown host exits 255, as ssh does. Each command entering a
 node is bounded by `timeout -s KILL` (`ENTER_LIMIT_S`).
+`cluster.fragile(host)` makes a node die with its process: once a command in it fails,
+`enter` refuses it with ssh's 255 ("No route to host"), as for a node that is down.
 
 Names are unique per cluster (`eqxs` + 6 hex digits, so that interface names fit Linux's
 15 characters). Everything made is removed on leaving, also after a failed test: the
@@ -43,6 +45,9 @@ SUBNET = "10.23.0"
 ENTER = """#!/bin/sh
 # enter HOST WORDS...: run WORDS (joined by spaces, through `sh -c`, as ssh does) in the
 # simulated node HOST: its network namespace, its host name, its /etc/hosts.
+# A node that is down (a file `down`: how many more tries it refuses, empty for all)
+# refuses with ssh's 255; a fragile node (a file `fragile`) goes down when a command in
+# it fails, refusing as many tries as `fragile` says.
 host=$1
 shift
 dir=$(dirname "$0")/nodes/$host
@@ -50,9 +55,29 @@ if [ ! -f "$dir/netns" ]; then
   echo "enter: ssh: Could not resolve hostname $host: Name or service not known" >&2
   exit 255
 fi
-exec timeout -s KILL {limit} ip netns exec "$(cat "$dir/netns")" unshare -m -u sh -c \\
-  'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"' \\
+if [ -f "$dir/down" ]; then
+  left=$(cat "$dir/down")
+  if [ -z "$left" ] || [ "$left" -gt 0 ]; then
+    [ -n "$left" ] && echo $((left - 1)) > "$dir/down"
+    echo "enter: ssh: connect to host $host port 22: No route to host" >&2
+    exit 255
+  fi
+  rm -f "$dir/down"
+fi
+if [ ! -f "$dir/fragile" ]; then
+  exec timeout -s KILL {limit} ip netns exec "$(cat "$dir/netns")" unshare -m -u sh -c \\
+    'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"' \\
+    enter "$dir/hosts" "$host" "$@"
+fi
+# (--foreground: the command stays in this process group, which the launcher ends.)
+timeout --foreground -s KILL {limit} ip netns exec "$(cat "$dir/netns")" unshare -m -u \\
+  sh -c 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec sh -c "$*"' \\
   enter "$dir/hosts" "$host" "$@"
+code=$?
+if [ "$code" -ne 0 ] && [ -f "$dir/fragile" ]; then
+  mv "$dir/fragile" "$dir/down"
+fi
+exit $code
 """
 
 
@@ -206,6 +231,17 @@ class Cluster:
 
     def mend(self, host: str) -> None:
         _ip("link", "set", self.veth(host), "up")
+
+    def fragile(self, host: str, refuse: int | None = None) -> None:
+        """When a command run in `host` next fails (e.g. its process dies), `host` goes
+        down: it refuses the next `refuse` tries to enter it (`None`: every try) with
+        ssh's 255 "No route to host", as a node that died would."""
+        (self.workdir / "nodes" / host / "fragile").write_text(
+            "" if refuse is None else str(refuse)
+        )
+
+    def is_down(self, host: str) -> bool:
+        return (self.workdir / "nodes" / host / "down").exists()
 
     def python_pids(self, host: str, *, main_only: bool = False) -> list[int]:
         """The Python processes running inside `host`; with `main_only`, not the stderr

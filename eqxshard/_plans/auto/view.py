@@ -5,12 +5,44 @@ no plotting library needed)."""
 from __future__ import annotations
 
 import html
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from ..._tree import format_bytes
 
-if TYPE_CHECKING:
-    from .result import Candidate, Plan
+
+# What the view reads of a `Candidate` and a `Plan` (`result.py`), named here so that this
+# module needs no import of the plan, which shows itself through this module.
+class CandidateLike(Protocol):
+    @property
+    def rank(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def mesh_shape(self) -> dict[str, int]: ...
+    @property
+    def bytes(self) -> dict[str, int]: ...
+    @property
+    def total_bytes(self) -> int | None: ...
+    @property
+    def collectives(self) -> dict[str, int]: ...
+    @property
+    def time(self) -> float | None: ...
+    @property
+    def fits(self) -> bool: ...
+    @property
+    def estimated(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+
+
+class PlanLike(Protocol):
+    @property
+    def table(self) -> Sequence[CandidateLike]: ...
+    @property
+    def budget(self) -> int: ...
+    def summary(self) -> str: ...
+
 
 PARTS = ("parameters", "gradients", "optimizer state", "batch", "activations")
 _COLOURS = ("#4878d0", "#6acc64", "#ee854a", "#956cb4", "#d65f5f")
@@ -37,13 +69,13 @@ def seconds_str(t: float | None) -> str:
     return f"{t * 1e6:.1f} us"
 
 
-def _bytes(c: Candidate, part: str) -> str:
+def _bytes(c: CandidateLike, part: str) -> str:
     if part not in c.bytes:
         return "-"
     return ("~" if c.estimated and part == "activations" else "") + format_bytes(c.bytes[part])
 
 
-def collectives_str(c: Candidate) -> str:
+def collectives_str(c: CandidateLike) -> str:
     moved = [(k, v) for k, v in c.collectives.items() if v]
     if not moved:
         return "none" if c.total_bytes is not None else "-"
@@ -51,7 +83,7 @@ def collectives_str(c: Candidate) -> str:
     return ", ".join(f"{_SHORT[k]} {mark}{format_bytes(v)}" for k, v in moved)
 
 
-def rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
+def rows(plan: PlanLike) -> tuple[list[str], list[list[str]]]:
     parts = [p for p in PARTS if any(p in c.bytes for c in plan.table)]
     header = ["#", "layout", "mesh", *parts, "total", "sent per device", "time", "verdict"]
     body = []
@@ -72,7 +104,7 @@ def rows(plan: Plan) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def text(plan: Plan) -> str:
+def text(plan: PlanLike) -> str:
     header, body = rows(plan)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header) - 1)]
     lines = [plan.summary(), ""]
@@ -84,7 +116,7 @@ def text(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def svg(plan: Plan, width: int = 640) -> str:
+def svg(plan: PlanLike, width: int = 640) -> str:
     """Stacked bars of bytes per device by part, one per measured candidate, and the budget
     as a red line."""
     shown = [c for c in plan.table if c.total_bytes is not None]
@@ -134,7 +166,7 @@ def svg(plan: Plan, width: int = 640) -> str:
     return "".join(out)
 
 
-def to_html(plan: Plan) -> str:
+def to_html(plan: PlanLike) -> str:
     header, body = rows(plan)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     trs = "".join(
