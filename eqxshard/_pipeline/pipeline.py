@@ -7,15 +7,31 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from .. import _compat
+from .._placement.shard import filter_shard
 from .._shard_map.shard_map import filter_shard_map
 from . import checks
 from .remat import check_remat, with_remat
 from .schedule import run_stages, to_stage_major
 
 _VERB = "filter_pipeline"
+
+
+def _over_stages(leaf: Any, axis: str) -> PartitionSpec | None:
+    """The spec that splits the layer dim of `leaf` over `axis` and keeps its other dims
+    as they are (`None`: already so). On an Explicit stage axis `jax.shard_map` wants its
+    inputs laid out as its `in_specs` say (jax 0.12 also inside `grad`)."""
+    tracer = _compat.is_tracer(leaf)
+    sharding = _compat.traced_sharding(leaf) if tracer else getattr(leaf, "sharding", None)
+    entries = [None] * leaf.ndim
+    if isinstance(sharding, NamedSharding):
+        entries = [*_compat.spec_entries(sharding.spec), *entries][: leaf.ndim]
+    if entries[0] == axis:
+        return None
+    return PartitionSpec(axis, *entries[1:])
 
 
 def run_pipeline(
@@ -32,8 +48,8 @@ def run_pipeline(
     stage_major: bool,
 ) -> Any:
     """`filter_pipeline`, also for a stack stored stage-major (`stage_major=True`: chunk
-    `r*S + s` of the layers is local chunk `r` of stage `s`, as `stack_stage_major` lays a
-    stack out), which runs the circular schedule without moving weights."""
+    `r*S + s` of the layers is local chunk `r` of stage `s`, as `order.to_stage_major`
+    stores a stack), which runs the circular schedule without moving weights."""
     checks.check_layer(verb, layer)
     mesh = checks.get_mesh(verb, mesh, axis)
     stages = dict(mesh.shape)[axis]
@@ -42,6 +58,8 @@ def run_pipeline(
     batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
     policy = check_remat(verb, remat, mesh)
     weights, static = eqx.partition(blocks, eqx.is_array)
+    if _compat.axis_type_map(mesh)[axis] == AxisType.Explicit:
+        weights = filter_shard(weights, mesh, lambda path, a: _over_stages(a, axis))
     step = with_remat(lambda w, h: layer(eqx.combine(w, static), h), policy)
     size = batch // microbatches
 

@@ -12,6 +12,11 @@ from jax.sharding import AbstractMesh, Mesh
 POLICIES = ("none", "dots", "full", "offload")
 
 
+def memory_kinds(device: Any) -> set[str]:
+    """The memory kinds `device` can address (`device`, `pinned_host`, ...)."""
+    return {m.kind for m in device.addressable_memories()}
+
+
 def check_remat(verb: str, remat: Any, mesh: Mesh | AbstractMesh) -> str:
     """`remat` as one of `POLICIES` (`None` is `"none"`); `"offload"` only where the devices
     of `mesh` have a host memory (`pinned_host`) to offload to."""
@@ -26,7 +31,7 @@ def check_remat(verb: str, remat: Any, mesh: Mesh | AbstractMesh) -> str:
         )
     if remat == "offload" and isinstance(mesh, Mesh):
         device = mesh.devices.flat[0]
-        kinds = {m.kind for m in device.addressable_memories()}
+        kinds = memory_kinds(device)
         if "pinned_host" not in kinds:
             raise ValueError(
                 f"`{verb}(remat='offload')` moves residuals to host memory ('pinned_host'), "
