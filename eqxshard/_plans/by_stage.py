@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
@@ -11,8 +12,22 @@ from jax.sharding import AbstractMesh, NamedSharding
 from .. import _compat
 from .._tree import format_bytes
 
-if TYPE_CHECKING:
-    from .table import ShardingTable
+
+class _Row(Protocol):
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def sharding(self) -> Any: ...
+
+
+class _Table(Protocol):
+    """What `by_stage` reads of a `ShardingTable` (named, not imported: `table` imports
+    this module)."""
+
+    @property
+    def rows(self) -> Sequence[_Row]: ...
+    @property
+    def bytes_per_device(self) -> dict[Any, int]: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +59,7 @@ def _names(entry: Any) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def by_stage(table: ShardingTable, axis: str) -> list[StageRow]:
+def by_stage(table: _Table, axis: str) -> list[StageRow]:
     """See `ShardingTable.by_stage`."""
     stacked = [
         (row, row.sharding)
