@@ -5,6 +5,8 @@ residual MLP blocks, each written per example and batched by `jax.vmap`:
 
 - `scan, data=8`: the plain `lax.scan` (`Stacked` without `axis`), the weights replicated,
   the batch split over 8 devices: data parallelism alone.
+- `scan, data=2`: the same on the pipeline's mesh, the batch split over `"data"` only, so
+  each device runs all the layers on the rows a pipeline's device sees.
 - `GPipe, M=...` and `circular R=2, M=...`: `Stacked(axis="stage", ...)` on a
   `(stage=4, data=2)` mesh, the layer dim laid out over `"stage"` by `eqxshard.stages`.
 
@@ -97,6 +99,14 @@ def main() -> None:
     plain = eqxshard.filter_replicate(eqxshard.Stacked(blocks), data_mesh)
     cases["scan, data=8"] = (plain, jax.device_put(x, NamedSharding(data_mesh, P("data"))), 0, 0)
     xs = jax.device_put(x, NamedSharding(pipe_mesh, P("data")))
+    # The same plain scan on the pipeline's mesh: each device then runs every layer on the
+    # rows a pipeline's device sees (the batch split over "data" only).
+    cases["scan, data=2"] = (
+        eqxshard.filter_replicate(eqxshard.Stacked(blocks), pipe_mesh),
+        xs,
+        0,
+        0,
+    )
     for label, m, r in [
         (f"GPipe, M={S}", S, 1),
         (f"GPipe, M={2 * S}", 2 * S, 1),
