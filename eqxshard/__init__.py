@@ -31,18 +31,20 @@ from ._plans.describe import (
 from ._plans.fsdp import fsdp as fsdp
 from ._plans.like import like as like
 from ._plans.logical import logical as logical
+from ._plans.path_rules import path_rules as path_rules
 from ._plans.plan import filter_init as filter_init, filter_plan as filter_plan
 from ._plans.rules import (
     NO_MATCH as NO_MATCH,
     Rule as Rule,
     dotted_path as dotted_path,
     first as first,
-    path_rules as path_rules,
 )
 from ._plans.stages import stages as stages
 from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map
+from ._step.describe_step import describe_step as describe_step
 from ._step.jit import filter_jit as filter_jit
+from ._step.step_report import StepLeaf as StepLeaf, StepReport as StepReport
 
 __version__ = _version.version()

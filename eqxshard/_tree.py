@@ -71,20 +71,21 @@ def broadcast_prefix(
     is_leaf: Callable[[Any], bool],
     argname: str,
     verb: str,
-) -> tuple[list[Any], list[Path]]:
+) -> tuple[list[Any], list[Path], list[Path]]:
     """Gives each leaf of `tree` the leaf of `prefix` above it.
 
     `prefix` is a PyTree whose structure is a prefix of `tree`'s; its leaves are those
     for which `is_leaf` holds (`None` included). Returns the per-leaf values of `prefix`
     in `tree`'s flattening order, and the paths of prefix leaves that sit exactly on one
-    leaf of `tree` (used to report values given for non-array leaves).
+    leaf of `tree` (used to report values given for non-array leaves), and for each leaf
+    of `tree` the path in `prefix` of the value it got.
     """
-    pieces: list[tuple[Any, int]] = []
+    pieces: list[tuple[Path, Any, int]] = []
     on_leaf: list[Path] = []
 
     def visit(path: Path, value: Any, subtree: Any) -> None:
         leaves = jax.tree_util.tree_leaves(subtree)
-        pieces.append((value, len(leaves)))
+        pieces.append((tuple(path), value, len(leaves)))
         if len(leaves) == 1 and leaves[0] is subtree:
             on_leaf.append(path)
 
@@ -98,8 +99,9 @@ def broadcast_prefix(
             f"Give `{argname}` the structure of `tree` (or of a prefix of it), with `None` "
             "for subtrees to leave alone."
         ) from None
-    values = [value for value, count in pieces for _ in range(count)]
-    return values, on_leaf
+    values = [value for _, value, count in pieces for _ in range(count)]
+    prefixes = [path for path, _, count in pieces for _ in range(count)]
+    return values, on_leaf, prefixes
 
 
 def leaf_table(rows: Sequence[tuple[str, ...]]) -> str:

@@ -68,7 +68,8 @@ def filter_restore(
     - `directory`: the directory `filter_save` wrote to.
     - `like`: a PyTree with the structure of the saved one: a model, or an abstract one.
     - `target`, `spec`: the layout, in every form `filter_shard` accepts: a `Mesh` with a
-        `PartitionSpec`, a prefix PyTree of them or a rule (`fsdp`, `path_rules`, ...); a
+        `PartitionSpec`, a rule (`fsdp`, `path_rules`, `like`, ...), a callable, or a
+        prefix PyTree of these (`(fsdp("data"), like(params))` for `(model, opt_state)`); a
         `Sharding`; a `Device`; a prefix PyTree of these. If both are `None`, each leaf
         keeps the sharding it has in `like` (a placed model's, or a
         `ShapeDtypeStruct(..., sharding=...)`'s). A leaf that `target` leaves alone

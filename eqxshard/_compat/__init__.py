@@ -43,6 +43,7 @@ from .meshes import (
     ambient_mesh as ambient_mesh,
     axis_type_map as axis_type_map,
     context_abstract_mesh as context_abstract_mesh,
+    is_sharding_type_error as is_sharding_type_error,
     mesh_platform as mesh_platform,
     spec_entries as spec_entries,
     spec_reductions as spec_reductions,

@@ -127,3 +127,10 @@ def vmapped_mesh_axes() -> frozenset[str]:
 
     env = core.get_axis_env()
     return frozenset(getattr(env, "explicit_mesh_axis_names", ()) or ())
+
+
+def is_sharding_type_error(e: BaseException) -> bool:
+    """Whether `e` is JAX's `ShardingTypeError` (an op whose output layout JAX cannot
+    infer on Explicit mesh axes). The class is private (`jax._src.core`) and not in every
+    release's public API, so it is matched by name over the exception's classes."""
+    return any(c.__name__ == "ShardingTypeError" for c in type(e).__mro__)

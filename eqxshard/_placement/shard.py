@@ -13,7 +13,8 @@ from jaxtyping import PyTree
 from .._tree import Flat, T
 from . import cache, place, resolve
 
-SpecLike = PartitionSpec | PyTree[PartitionSpec | None] | Callable[[Any, Any], Any] | None
+# A PartitionSpec, a rule, a callable, or a prefix PyTree of these (`spec_tree`).
+SpecLike = PartitionSpec | PyTree[Any] | Callable[[Any, Any], Any] | None
 
 
 def filter_shard(
@@ -59,10 +60,14 @@ def filter_shard(
     - `spec`: how to lay leaves out over a mesh target; only with a `Mesh` target or the
         ambient mesh. One of:
         - a `PartitionSpec`, for every array leaf;
-        - a PyTree whose structure is a prefix of `tree`, with `PartitionSpec`s at its
-            leaves and `None` to leave that subtree alone;
+        - a rule (`fsdp`, `path_rules`, `like`, `logical`, `first`), called on each
+            array leaf with its path, shape and mesh;
         - a callable `(path, leaf) -> PartitionSpec | None`, called on each array leaf
             with its key path (`None` leaves that leaf alone);
+        - a PyTree whose structure is a prefix of `tree`, with any of the above at its
+            leaves and `None` to leave that subtree alone, e.g. `(fsdp("data"),
+            like(params))` for `(model, opt_state)`; a rule or callable there sees each
+            leaf's path from the subtree it was given for;
         - `None` (default): replicated.
     - `process_local`: with several processes, `True` means each process passes its own
         local part (e.g. its slice of a batch) and the parts together make one global
@@ -84,7 +89,8 @@ def filter_shard(
 
     **Raises:**
 
-    - `TypeError`: for a `target` or `spec` of the wrong type, a non-bool
+    - `TypeError`: for a `target` or `spec` of the wrong type (naming every such leaf
+        and what a `spec` may be), a non-bool
         `process_local` or `check_consistent`, or a `spec` given with a
         `Sharding`/`Device` target; naming every such leaf, for array leaves of a dtype
         JAX has no arrays of (NumPy strings, bytes, objects, datetimes, records).

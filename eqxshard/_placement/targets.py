@@ -8,21 +8,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
-from .._tree import Flat, broadcast_prefix, leaf_error, pathstr
-from . import multihost
+from .._tree import Flat, leaf_error, pathstr
+from . import multihost, spec_tree
 from .specs import check_abstract_meshes, check_specs
 
 # Sentinels for "the argument was not given" (as opposed to `None` inside a prefix
 # tree, which means "leave this subtree alone").
 UNSET: Any = object()
-
-
-_RULE: Any = object()
 
 
 TARGET_TYPES = (Mesh, AbstractMesh, Sharding, jax.Device, PartitionSpec)
@@ -46,7 +42,7 @@ def is_target_leaf(x: Any) -> bool:
 
 
 def is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
+    return spec_tree.is_spec_form(x)
 
 
 def per_leaf(
@@ -65,23 +61,9 @@ def per_leaf(
     """
     if is_leaf(value) or value is UNSET:
         return [value] * len(flat.leaves)
-    tree = flat.rebuild({})
-    values, on_leaf = broadcast_prefix(value, tree, is_leaf=is_leaf, argname=argname, verb=verb)
-    position = {path: i for i, path in enumerate(flat.paths)}
-    bad = [
-        (pathstr(p), type(flat.leaves[position[p]]).__name__)
-        for p in (on_leaf if strict else ())
-        if not flat.is_array[position[p]] and values[position[p]] is not None
-    ]
-    if bad:
-        raise ValueError(
-            leaf_error(
-                f"`{verb}` got a `{argname}` for leaves that are not arrays:",
-                bad,
-                f"Only array leaves can be placed; put `None` at these paths in `{argname}`.",
-            )
-        )
-    return values
+    return spec_tree.spread(
+        flat, value, argname=argname, verb=verb, is_leaf=is_leaf, strict=strict
+    )[0]
 
 
 def check_dtypes(verb: str, flat: Flat, indices: list[int], fix: str | None = None) -> None:
@@ -123,10 +105,10 @@ def resolve_here(
     """The sharding each array leaf must get, from this process's arguments alone.
 
     `target` is `UNSET` (the ambient mesh), a target form, or a prefix tree of them;
-    `spec` is `UNSET`, a `PartitionSpec`, a prefix tree of them, a callable
-    `(path, leaf) -> PartitionSpec | None`, or a rule: an object with a method
-    `spec_for(path, leaf, mesh) -> PartitionSpec | None`, called with each array leaf's
-    mesh (sharding rules are built on this).
+    `spec` is `UNSET`, a `PartitionSpec`, a callable `(path, leaf) -> PartitionSpec |
+    None`, a rule: an object with a method `spec_for(path, leaf, mesh) -> PartitionSpec |
+    None`, called with each array leaf's mesh (sharding rules are built on this), or a
+    prefix tree of these (read by `spec_tree.per_leaf_specs`).
 
     With `process_local=True`, specs are checked against the global shapes the local
     parts make. No collective runs here.
@@ -136,15 +118,7 @@ def resolve_here(
     targets = per_leaf(
         flat, target, argname="target", verb=verb, is_leaf=is_target_leaf, strict=False
     )
-    rule = None if isinstance(spec, PartitionSpec) else getattr(spec, "spec_for", None)
-    if rule is not None:  # a rule: needs each leaf's mesh, so it is called in the loop below
-        specs: list[Any] = [_RULE] * len(flat.leaves)
-    elif callable(spec) and not isinstance(spec, (PartitionSpec, eqx.Module)):
-        specs = [UNSET] * len(flat.leaves)
-        for i in flat.array_indices:
-            specs[i] = spec(flat.paths[i], flat.leaves[i])
-    else:
-        specs = per_leaf(flat, spec, argname="spec", verb=verb, is_leaf=is_spec_leaf)
+    specs = spec_tree.per_leaf_specs(flat, spec, unset=UNSET, verb=verb)
 
     out: dict[int, Sharding] = {}
     # (mesh, spec) per leaf, checked before any `NamedSharding` is built: its constructor
@@ -192,12 +166,12 @@ def resolve_here(
                 continue
         elif isinstance(t, (Mesh, AbstractMesh)):
             mesh = t
-        if s is _RULE and rule is not None:
+        if isinstance(s, spec_tree.Ruled):
             if mesh is None:
                 type_errors.append((where(i), f"a rule `spec` was given with target {_short(t)}"))
                 continue
             try:
-                s = rule(flat.paths[i], flat.leaves[i], mesh)
+                s = s.rule(s.path, flat.leaves[i], mesh)
             except RuleError as e:  # gathered, so that one error lists every such leaf
                 rule_errors.setdefault((e.header, e.fix), []).append((where(i), *e.detail))
                 continue
@@ -226,8 +200,7 @@ def resolve_here(
                 f"`{verb}` cannot read the `target`/`spec` given for these leaves:",
                 type_errors,
                 "A target is a Mesh, a Sharding, a Device or a PartitionSpec (or a prefix tree of "
-                "them); a `spec` is a PartitionSpec and goes only with a Mesh target or the "
-                "ambient mesh.",
+                f"them); {spec_tree.FORMS}, and goes only with a Mesh target or the ambient mesh.",
             )
         )
     if no_mesh:

@@ -16,6 +16,7 @@ from jax.sharding import (
 from jaxtyping import PyTree
 
 from .. import _compat
+from .._placement import spec_tree
 from .._tree import Flat, device_name, is_array_like
 from .plan import plan_shardings
 from .rules import dotted_path
@@ -93,8 +94,8 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         shardings.
         An `AbstractMesh` of any size sizes a run before having its devices
         (see docs/sizing.md).
-    - `spec`: as for `filter_shard`: a `PartitionSpec`, a prefix PyTree, a callable or a
-        rule.
+    - `spec`: as for `filter_shard`: a `PartitionSpec`, a callable, a rule, or a prefix
+        PyTree of these (`(fsdp("data"), like(params))` for `(model, opt_state)`).
 
     **Returns:**
 
@@ -149,6 +150,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         key=lambda r: -r.bytes,
     )[:UNSHARDED_SHOWN]
     ordered = dict(sorted(per_device.items(), key=lambda item: _device_order(item[0])))
+    left = {} if spec is None else _left_replicated(flat, spec, shardings)
     return ShardingTable(
         rows=rows,
         bytes_per_device=ordered,
@@ -157,7 +159,30 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         parts={k: max(v.values(), default=0) for k, v in by_part.items()}
         if len(by_part) > 1
         else {},
+        left_replicated=left,
     )
+
+
+def _left_replicated(
+    flat: Flat, spec: Any, shardings: dict[int, Sharding | None]
+) -> dict[str, tuple[int, int]]:
+    """Why the rules of `spec` left leaves whole on every device of a mesh of several:
+    each reason a rule gives, with how many leaves and bytes it covers."""
+    forms = spec_tree.forms_per_leaf(flat, spec, verb="describe")
+    out: dict[str, tuple[int, int]] = {}
+    for i, sharding in shardings.items():
+        if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+            continue
+        if not sharding.is_fully_replicated:
+            continue
+        form, path = forms[i]
+        explain = getattr(form, "replicated_because", None) if spec_tree.is_rule(form) else None
+        reason = explain(path, flat.leaves[i], sharding.mesh) if explain is not None else None
+        if reason is not None:
+            x = flat.leaves[i]
+            n, size = out.get(reason, (0, 0))
+            out[reason] = (n + 1, size + math.prod(x.shape) * x.dtype.itemsize)
+    return out
 
 
 def _device_order(device: Any) -> int:

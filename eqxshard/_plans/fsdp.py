@@ -45,6 +45,20 @@ class FSDP(Rule):
         best = max(fits, key=lambda d: (shape[d], -d))  # the largest; on a tie, the first
         return PartitionSpec(*([None] * best), self.axis)
 
+    def replicated_because(self, path: Path, leaf: Any, mesh: Mesh | AbstractMesh) -> str | None:
+        sizes = dict(mesh.shape)
+        parts = math.prod(sizes.get(n, 1) for n in self.names)
+        shape = tuple(leaf.shape)
+        if parts == 1:
+            return f"{self!r}: mesh axes {self.names} have size 1"
+        if not shape:
+            return f"{self!r}: scalars"
+        if math.prod(shape) < self.min_size:
+            if not any(d >= parts and d % parts == 0 for d in shape):
+                return f"{self!r}: fewer than `min_size` elements, and no dim divisible by {parts}"
+            return f"{self!r}: fewer than `min_size` elements"
+        return None
+
     def __repr__(self) -> str:
         return f"fsdp(axis={self.axis!r}, min_size={self.min_size})"
 

@@ -40,6 +40,8 @@ class Like(Rule):
     def __init__(self, params: Any, plan: Any, min_size: int = 2**14):
         self.min_size = min_size
         leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+        if not any(is_array_like(x) for _, x in leaves):
+            raise ValueError(_nothing_to_mirror(params, [x for _, x in leaves]))
         given: dict[Path, Any] = {}
         if plan is not None:
             is_leaf = lambda x: isinstance(x, (Sharding, PartitionSpec))
@@ -105,6 +107,15 @@ class Like(Rule):
             "or raise `min_size` above their size to replicate them.",
         )
 
+    def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
+        path, shape = tuple(path), tuple(leaf.shape)
+        for k in range(len(path) + 1):
+            if path[k:] in self.params:
+                return f"{self!r}: mirrors a parameter that is replicated"
+        if self._closest(path, shape) is not None:
+            return f"{self!r}: mirrors a parameter that is replicated"
+        return f"{self!r}: mirrors no parameter, fewer than `min_size` elements"
+
     def _closest(self, path: Path, shape: tuple[int, ...]) -> PartitionSpec | None:
         """The spec of the parameter of this shape whose path shares the longest ending
         with `path` (at least its last key), if any."""
@@ -149,6 +160,19 @@ def _reduced(
     while entries and entries[-1] is None:  # `P()`, not `P(None)`, for an unsplit leaf
         entries.pop()
     return PartitionSpec(*entries)
+
+
+def _nothing_to_mirror(params: Any, leaves: list[Any]) -> str:
+    kinds = sorted({type(x).__name__ for x in leaves})
+    got = f"{len(leaves)} leaves, none an array ({', '.join(kinds)})" if leaves else "no leaves"
+    return (
+        f"`like` got `params` with no array leaves ({type(params).__name__} with {got}), so "
+        "it has no parameter to lay anything out like (every leaf would be left as it is). "
+        "`eqx.filter(abstract, eqx.is_array)` drops every `jax.ShapeDtypeStruct` (they are "
+        "not arrays): pass the abstract model itself, `like(abstract, plan=filter_plan("
+        "abstract, mesh, spec))`, or filter it with `eqx.filter(abstract, lambda x: "
+        "isinstance(x, jax.ShapeDtypeStruct))`."
+    )
 
 
 def _why(x: Any, plan: Any) -> str:
@@ -206,8 +230,10 @@ def like(params: Any, plan: Any = None, *, min_size: int = 2**14) -> Like:
 
     **Raises:**
 
-    - `ValueError`: naming every parameter whose layout cannot be read (not placed on a
-        mesh, traced on Auto axes, abstract without a sharding, or missing from `plan`);
+    - `ValueError`: if `params` has no array leaves (arrays or `jax.ShapeDtypeStruct`s:
+        `eqx.filter(abstract, eqx.is_array)` drops the latter); naming every parameter
+        whose layout cannot be read (not placed on a mesh, traced on Auto axes, abstract
+        without a sharding, or missing from `plan`);
         when resolved (e.g. by `filter_shard`), naming every leaf of `min_size` elements
         or more that mirrors no parameter.
     - `TypeError`: if `min_size` is not an int >= 0.

@@ -45,9 +45,10 @@ def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
     - `target`: as for `filter_shard`: a `Mesh`, a `Sharding`, a `Device`, a
         `PartitionSpec`, `None` (the mesh set by `jax.set_mesh`), or a prefix PyTree of
         these.
-    - `spec`: as for `filter_shard`: a `PartitionSpec`, a prefix PyTree of them, a
-        callable `(path, leaf) -> PartitionSpec | None`, or a rule (`path_rules`, `fsdp`,
-        `logical`, `like`, `first`).
+    - `spec`: as for `filter_shard`: a `PartitionSpec`, a callable `(path, leaf) ->
+        PartitionSpec | None`, a rule (`path_rules`, `fsdp`, `logical`, `like`, `first`),
+        or a prefix PyTree of these (`(fsdp("data"), like(params))` for `(model,
+        opt_state)`).
 
     **Returns:**
 
@@ -171,8 +172,8 @@ def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -
     - `fn`: any callable returning a PyTree, e.g. `lambda key: eqx.nn.MLP(..., key=key)`
         or `optimiser.init`. Its array arguments are traced; others are held static.
     - `target`: as for `filter_shard` (usually a `Mesh`).
-    - `spec`: as for `filter_shard`: a `PartitionSpec`, a prefix PyTree, a callable, or
-        a rule (`fsdp`, `path_rules`, `logical`, `like`, `first`).
+    - `spec`: as for `filter_shard`: a `PartitionSpec`, a callable, a rule (`fsdp`,
+        `path_rules`, `logical`, `like`, `first`), or a prefix PyTree of these.
 
     **Returns:**
 

@@ -4,16 +4,16 @@ A rule is accepted anywhere a `spec` is (`filter_shard(model, mesh, rule)`, `fil
 `describe`, `filter_init`). `_placement.resolve` calls its `spec_for(path, leaf, mesh)` on
 each array leaf, with that leaf's mesh. Rules here:
 
-- `path_rules([(pattern, spec), ...])`: regular expressions over each leaf's dotted path;
-- `first(a, b, ...)` or `a | b`: the first rule that matches a leaf gives its spec.
+- `first(a, b, ...)` or `a | b`: the first rule that matches a leaf gives its spec;
+- `as_rule`: any other `spec` form (a `PartitionSpec`, a callable, a prefix tree) as one.
 
-Other rules build on `Rule`: `fsdp`, `logical`, `like` (each in its own module).
+Other rules build on `Rule`: `path_rules`, `fsdp`, `logical`, `like` (each in its own
+module).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -21,6 +21,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .. import _compat
+from .._placement import spec_tree
 from .._placement.targets import RuleError
 from .._tree import Path, shape_str
 
@@ -69,11 +70,14 @@ class Rule:
     """A sharding rule: gives each array leaf a `PartitionSpec` from its path, shape and mesh.
 
     Build rules with `path_rules`, `fsdp`, `logical`, `like` and `first` (or `a | b`); pass
-    one as the `spec` of `filter_shard`, `filter_plan`, `describe` or `filter_init`.
+    one (alone or in a prefix PyTree) as the `spec` of `filter_shard`, `filter_plan`, `describe`,
+    `filter_init` or `filter_restore`.
 
     To write your own, subclass `Rule` and define `match(path, leaf, mesh)` returning a
     `PartitionSpec`, `None` (leave the leaf alone) or `NO_MATCH` (let the next rule of a
-    `first(...)` decide).
+    `first(...)` decide). Optionally define `replicated_because(path, leaf, mesh)`
+    returning why the rule leaves a leaf whole on every device (or `None`): `describe`
+    sums these up below its table.
     """
 
     # What to do when no rule matches a leaf; the last line of that error.
@@ -91,6 +95,11 @@ class Rule:
                 self.no_match_fix,
             )
         return spec
+
+    def replicated_because(self, path: Path, leaf: Any, mesh: Mesh | AbstractMesh) -> str | None:
+        """Why this rule leaves `leaf` whole on every device, for `describe`'s summary
+        (e.g. "fewer than `min_size` elements"); `None` where it does not say."""
+        return None
 
     def __or__(self, other: Any) -> Rule:
         return first(self, other)
@@ -122,7 +131,9 @@ class _Callable(Rule):
 
 
 class _Prefix(Rule):
-    """A prefix PyTree of specs: each leaf gets the spec above it; leaves outside it, none."""
+    """A prefix PyTree of specs, rules and callables: each leaf gets what the entry above
+    it gives (a rule or callable sees the path from where it was given); leaves outside
+    the tree, none."""
 
     no_match_fix = (
         "Give the spec tree the structure of the model (or a prefix of it), or add a rule "
@@ -130,23 +141,31 @@ class _Prefix(Rule):
     )
 
     def __init__(self, tree: Any, verb: str):
-        is_leaf = lambda x: x is None or isinstance(x, PartitionSpec)
+        is_leaf = spec_tree.is_spec_form
         entries = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
         bad = [(p, x) for p, x in entries if not is_leaf(x)]
         if bad:
             rows = "\n".join(f"  {dotted_path(p)!r}: {type(x).__name__}" for p, x in bad)
             raise TypeError(
                 f"`{verb}` takes rules, `PartitionSpec`s, `None`, callables or spec trees; a spec "
-                "tree must have a `PartitionSpec` or `None` at every leaf, but got (path: type):"
-                f"\n{rows}\nPut a PartitionSpec (or `None` to leave a leaf alone) there."
+                "tree must have one of these at every leaf, but got (path: type):"
+                f"\n{rows}\nPut a PartitionSpec, a rule (`fsdp`, `path_rules`, `like`, ...), a "
+                "callable `(path, leaf) -> PartitionSpec | None`, or `None` (leave a leaf alone) "
+                "there."
             )
-        self.specs = {tuple(p): x for p, x in entries}
+        self.specs = {tuple(p): as_rule(x, verb) for p, x in entries}
 
     def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
         for k in range(len(path) + 1):
             if path[:k] in self.specs:
-                return self.specs[path[:k]]
+                return self.specs[path[:k]].match(path[k:], leaf, mesh)
         return NO_MATCH
+
+    def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
+        for k in range(len(path) + 1):
+            if path[:k] in self.specs:
+                return self.specs[path[:k]].replicated_because(path[k:], leaf, mesh)
+        return None
 
 
 def as_rule(spec: Any, verb: str) -> Rule:
@@ -158,102 +177,6 @@ def as_rule(spec: Any, verb: str) -> Rule:
     if callable(spec) and not isinstance(spec, eqx.Module):
         return _Callable(spec)
     return _Prefix(spec, verb)
-
-
-class PathRules(Rule):
-    """Regular expressions over leaf paths; see `path_rules`."""
-
-    def __init__(self, rules: Sequence[tuple[str | re.Pattern, PartitionSpec | None]]):
-        self.rules: list[tuple[re.Pattern, PartitionSpec | None]] = []
-        problems = []
-        for n, item in enumerate(rules):
-            if not (isinstance(item, tuple) and len(item) == 2):
-                problems.append(f"  rule {n}: {item!r} is not a (pattern, spec) pair")
-                continue
-            pattern, spec = item
-            if not (spec is None or isinstance(spec, PartitionSpec)):
-                problems.append(f"  rule {n}: spec {spec!r} is not a PartitionSpec or None")
-                continue
-            try:
-                self.rules.append((re.compile(pattern), spec))
-            except (re.error, TypeError) as e:
-                problems.append(f"  rule {n}: pattern {pattern!r} is not a regular expression: {e}")
-        if problems:
-            raise TypeError(
-                "`path_rules` takes a list of (pattern, spec) pairs: a regular expression "
-                "and a PartitionSpec (or `None` to leave matching leaves alone), but got:\n"
-                + "\n".join(problems)
-                + "\nFor example: path_rules([(r'.*\\.weight', P(None, 'model')), (r'.*', P())])."
-            )
-        patterns = ", ".join(repr(p.pattern) for p, _ in self.rules) or "none"
-        self.no_match_fix = (
-            f"Patterns tried, in order: {patterns}. Each must match a whole dotted path "
-            "(`re.fullmatch`). Add a pattern for these paths, end with a catch-all "
-            "`(r'.*', P())`, or follow with another rule (`path_rules([...]) | fsdp('data')`)."
-        )
-
-    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
-        text = dotted_path(path)
-        for pattern, spec in self.rules:
-            if pattern.fullmatch(text):
-                return spec
-        return NO_MATCH
-
-    def __repr__(self) -> str:
-        rules = ", ".join(f"({p.pattern!r}, {_compat.spec_str(s)})" for p, s in self.rules)
-        return f"path_rules([{rules}])"
-
-
-def path_rules(
-    rules: Sequence[tuple[str | re.Pattern, PartitionSpec | None]]
-    | Mapping[str, PartitionSpec | None]
-    | Mapping[re.Pattern, PartitionSpec | None]
-    | Mapping[str | re.Pattern, PartitionSpec | None],
-) -> PathRules:
-    """A rule that gives each leaf the spec of the first pattern its path matches.
-
-    Each leaf's path is written in dotted form (`layers.0.weight`, see `dotted_path`) and
-    matched against the patterns in order with `re.fullmatch` (the whole path must match;
-    write `.*` for "anything"). The first match wins. A leaf that no pattern matches is an
-    error listing every such path, unless the rule is followed by another
-    (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`.
-
-    **Arguments:**
-
-    - `rules`: an ordered list of `(pattern, spec)` pairs (or a dict, in its order):
-        - `pattern`: a regular expression (a string or a compiled `re.Pattern`);
-        - `spec`: a `PartitionSpec`, or `None` to leave matching leaves alone.
-
-    **Returns:**
-
-    A `Rule`, to pass as a `spec`.
-
-    **Raises:**
-
-    - `TypeError`: if an item is not a pair, a pattern is not a regular expression, or a
-        spec is not a `PartitionSpec` or `None`.
-    - `ValueError` (when resolved, e.g. by `filter_shard`): for leaves no pattern matches.
-
-    !!! Example
-
-        ```python
-        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
-        model = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
-        rules = eqxshard.path_rules([
-            (r"(query|key|value)_proj\\.weight", P("model", None)),
-            (r"output_proj\\.weight", P(None, "model")),
-            (r".*", P()),  # everything else replicated
-        ])
-        model = eqxshard.filter_shard(model, mesh, rules)
-        ```
-    """
-    if isinstance(rules, Mapping):
-        rules = list(rules.items())
-    elif isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence):
-        raise TypeError(
-            f"`path_rules` takes a list of (pattern, spec) pairs, but got {type(rules).__name__}."
-        )
-    return PathRules(rules)
 
 
 class First(Rule):
@@ -274,6 +197,12 @@ class First(Rule):
                 return spec
         return NO_MATCH
 
+    def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
+        for rule in self.rules:  # the rule that gave the leaf its spec says why
+            if rule.match(path, leaf, mesh) is not NO_MATCH:
+                return rule.replicated_because(path, leaf, mesh)
+        return None
+
     def __repr__(self) -> str:
         return " | ".join(repr(r) for r in self.rules)
 
@@ -289,7 +218,8 @@ def first(*rules: Any) -> First:
     **Arguments:**
 
     - `*rules`: rules or any other `spec` form (a `PartitionSpec`, `None` to leave
-        leaves alone, a prefix PyTree of specs, a callable `(path, leaf) -> spec`).
+        leaves alone, a callable `(path, leaf) -> spec`, a prefix PyTree of these and
+        rules, whose rules see paths from the subtree they were given for).
 
     **Returns:**
 
@@ -297,7 +227,8 @@ def first(*rules: Any) -> First:
 
     **Raises:**
 
-    - `TypeError`: if no rules are given, or a spec tree has leaves that are not specs.
+    - `TypeError`: if no rules are given, or a spec tree has leaves that are not specs,
+        rules, callables or `None`.
     - `ValueError` (when resolved): for leaves that no rule matches.
 
     !!! Example

@@ -53,6 +53,9 @@ class ShardingTable:
         `{"params": params, "opt_state": opt_state}`), each part's dotted name and the
         bytes of it on its fullest device: the optimiser state's next to the
         parameters'. Empty for a tree of one part.
+    - `left_replicated`: for a plan made by rules, why they left leaves whole on every
+        device of a mesh of several (e.g. `fsdp`'s "fewer than `min_size` elements"),
+        each reason with how many leaves and bytes. Printed below the table.
     """
 
     rows: list[LeafRow]
@@ -60,6 +63,7 @@ class ShardingTable:
     total_bytes: int
     unsharded: list[LeafRow]
     parts: dict[str, int] = dataclasses.field(default_factory=dict)
+    left_replicated: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def max_bytes_per_device(self) -> int:
@@ -114,6 +118,14 @@ class ShardingTable:
                 f"{r.path or '<root>'} ({format_bytes(r.bytes)})" for r in self.unsharded
             )
             lines.append(f"Largest unsharded leaves (whole on every device): {leaves}.")
+        if self.left_replicated:
+            n = sum(k for k, _ in self.left_replicated.values())
+            size = sum(b for _, b in self.left_replicated.values())
+            why = "; ".join(
+                f"{k} ({format_bytes(b)}) by {reason}"
+                for reason, (k, b) in self.left_replicated.items()
+            )
+            lines.append(f"Left replicated by the rules: {n} leaves ({format_bytes(size)}): {why}.")
         return lines
 
     def __str__(self) -> str:

@@ -194,13 +194,15 @@ def filter_shard_map(
             on every device, like `in_axes=None` in `pmap`);
         - a `NamedSharding` on `mesh`: its spec.
         A `PartitionSpec` may carry `unreduced=`/`reduced=` sets, as in `jax.shard_map`.
-        The whole `in_specs` may also be a callable `(path, leaf) -> PartitionSpec | None`
-        called on each array leaf of the arguments, or a sharding rule: an object with a
-        method `spec_for(path, leaf, mesh) -> PartitionSpec | None`.
+        - a callable `(path, leaf) -> PartitionSpec | None` or a sharding rule (an
+            object with a method `spec_for(path, leaf, mesh) -> PartitionSpec | None`,
+            e.g. `fsdp`), called on each array leaf of that subtree with its path from
+            the subtree; the whole `in_specs` may be one too.
     - `out_specs`: how the per-device outputs are joined, as a prefix PyTree of the
         output: a `PartitionSpec` concatenates the blocks along the named mesh axes (a
         mesh axis not named is a promise that the blocks are equal along it); `None`
-        goes on non-array outputs. A callable `(path, leaf) -> PartitionSpec` also works.
+        goes on non-array outputs. Callables `(path, leaf) -> PartitionSpec` and rules
+        also work, alone or in the tree.
     - `axis_names`: the mesh axes `fun` is mapped over (manual); the others stay under
         the compiler's control, and inputs keep their layout along them. `None`
         (default): every mesh axis that no enclosing `jax.vmap` has taken for its batch

@@ -10,8 +10,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from .. import _compat
+from .._placement import spec_tree
 from .._placement.specs import entry_axes
-from .._placement.targets import per_leaf
 from .._tree import Flat, broadcast_prefix, leaf_error, pathstr, shape_str
 
 _VERB = "filter_shard_map"
@@ -33,32 +33,47 @@ def scalars_as_arrays(tree: Any, specs: Any, argname: str) -> Any:
         return tree
     if (callable(specs) and not _is_spec_leaf(specs)) or hasattr(specs, "spec_for"):
         return tree  # a callable spec is only called on array leaves
-    values, on_leaf = broadcast_prefix(
-        specs, tree, is_leaf=_is_spec_leaf, argname=argname, verb=_VERB
+    values, on_leaf, _ = broadcast_prefix(
+        specs, tree, is_leaf=_is_entry, argname=argname, verb=_VERB
     )
     paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
     given = set(on_leaf)
     leaves = [
-        jnp.asarray(x) if isinstance(x, _SCALARS) and v is not None and p in given else x
+        jnp.asarray(x)
+        if isinstance(x, _SCALARS) and _is_spec_leaf(v) and v is not None and p in given
+        else x
         for x, v, p in zip(leaves, values, paths, strict=True)
     ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _is_entry(x: Any) -> bool:
+    """A leaf of an `in_specs`/`out_specs` prefix tree: a spec, a sharding, a rule or a
+    callable (read per leaf by `spec_tree`, as every verb's `spec`)."""
+    return _is_spec_leaf(x) or spec_tree.is_spec_form(x)
+
+
 def _specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: str) -> list[Any]:
-    """One entry of `specs` per leaf of `flat`: a `PartitionSpec`, `None`, or a bad value."""
-    rule = getattr(specs, "spec_for", None) if not _is_spec_leaf(specs) else None
-    if rule is not None:
-        return [
-            rule(flat.paths[i], x, mesh) if flat.is_array[i] else None
-            for i, x in enumerate(flat.leaves)
-        ]
-    if callable(specs) and not _is_spec_leaf(specs):
-        return [
-            specs(flat.paths[i], x) if flat.is_array[i] else None for i, x in enumerate(flat.leaves)
-        ]
-    values = per_leaf(flat, specs, argname=argname, verb=_VERB, is_leaf=_is_spec_leaf)
-    return values
+    """One entry of `specs` per leaf of `flat`: a `PartitionSpec`, `None`, or a bad value.
+    A rule or callable, alone or in a prefix tree, is asked for each array leaf's spec
+    (with the leaf's path from the subtree it was given for)."""
+    if _is_entry(specs):
+        values, prefixes = [specs] * len(flat.leaves), None
+    else:
+        values, prefixes = spec_tree.spread(
+            flat, specs, argname=argname, verb=_VERB, is_leaf=_is_entry
+        )
+    out = []
+    for i, (x, value) in enumerate(zip(flat.leaves, values, strict=True)):
+        if _is_spec_leaf(value) or not _is_entry(value):
+            out.append(value)
+        elif not flat.is_array[i]:
+            out.append(None)  # rules and callables only place arrays
+        else:
+            path = tuple(flat.paths[i])
+            relative = path if prefixes is None else path[len(prefixes[i]) :]
+            out.append(spec_tree.spec_at(value, relative, x, mesh))
+    return out
 
 
 def _check_spec_values(

@@ -23,7 +23,7 @@ import jax
 
 from .._compat import equinox_runtime_error, is_tracer
 from .._tree import Flat, is_array_like, leaf_error
-from . import donate as _donate, layouts as _layouts
+from . import donate as _donate, layouts as _layouts, sharding_note as _sharding_note
 from .static import call_path, hashable_key
 
 _UNSET: Any = object()
@@ -88,12 +88,14 @@ class _JitWrapper(eqx.Module):
         return self._fun
 
     def __call__(self, /, *args: Any, **kwargs: Any) -> Any:
-        return _call(self, args, kwargs, lower=False)
+        with _sharding_note.explained(self._config, args, kwargs):
+            return _call(self, args, kwargs, lower=False)
 
     def lower(self, /, *args: Any, **kwargs: Any) -> Lowered:
         """The `jax.stages.Lowered` of this call, wrapped so that `.compile()` returns a
         callable taking the same arguments."""
-        return _call(self, args, kwargs, lower=True)
+        with _sharding_note.explained(self._config, args, kwargs):
+            return _call(self, args, kwargs, lower=True)
 
     def __get__(self, instance: Any, owner: Any) -> Any:
         if instance is None:

@@ -150,6 +150,10 @@ def filter_jit(
         errors of `filter_shard` about each layout (axes the mesh lacks, dims that do not
         divide, ...), naming the argument (`in_shardings` or `out_shardings`) and every
         failing leaf; with `move_inputs=False`, for inputs in another layout.
+    - JAX's `ShardingTypeError` from tracing `fun` (an op whose output layout JAX cannot
+        infer on Explicit mesh axes, e.g. an `eqx.nn.Embedding` lookup of a row-split
+        batch) is raised as it is, with a note saying to build the mesh with Auto axes or
+        to give the op `out_sharding=`.
 
     !!! Example
 

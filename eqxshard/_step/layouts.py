@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .._compat import ambient_mesh, is_tracer, spec_str
-from .._placement import place as _place, resolve as _resolve, targets as _targets
+from .._placement import (
+    place as _place,
+    resolve as _resolve,
+    spec_tree as _spec_tree,
+    targets as _targets,
+)
 from .._plans.rules import Rule
 from .._tree import Flat, Path, is_array_like, leaf_error, pathstr
 from .static import call_path
@@ -30,9 +34,7 @@ _FIXED = (Mesh, AbstractMesh, Sharding, jax.Device)
 
 def is_layout_leaf(x: Any) -> bool:
     """A leaf of an `in_shardings`/`out_shardings` prefix tree."""
-    if x is None or isinstance(x, (*_FIXED, PartitionSpec, Rule)):
-        return True
-    return callable(x) and not isinstance(x, eqx.Module)
+    return isinstance(x, _FIXED) or _spec_tree.is_spec_form(x)
 
 
 def _spread(tree: Any, layouts: Any, argname: str) -> list[tuple[Path, Any]]:
@@ -73,12 +75,7 @@ class _Dispatch(Rule):
 
     def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
         prefix, layout = self.layouts[tuple(path)]
-        relative = tuple(path)[len(prefix) :]
-        if isinstance(layout, PartitionSpec):
-            return layout
-        if isinstance(layout, Rule):
-            return layout.spec_for(relative, leaf, mesh)
-        return layout(relative, leaf)
+        return _spec_tree.spec_at(layout, tuple(path)[len(prefix) :], leaf, mesh)
 
 
 def resolve_layouts(

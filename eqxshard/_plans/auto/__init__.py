@@ -3,7 +3,8 @@
 Owns the verb (`search`) and its arguments (`arguments`); the candidate layouts
 (`candidates`: mesh factorisations crossed with DP, FSDP, TP and FSDP x TP, tensor-parallel
 roles found from the model's structure and shapes); measuring each compiled step
-(`measure`: memory by part; `collectives`: bytes moved, read from the HLO; `flops`),
+(`measure`: memory by part; `collectives`: bytes moved, read from the HLO; `flops`;
+`pinned`: ops XLA runs on one device and replicates, e.g. `eqx.error_if`),
 compiled here, in a subprocess with more CPU devices (`compile_remote`, `compile_worker`)
 or scaled from a smaller mesh (`extrapolate`); the alpha-beta link model (`links`); the
 ranking (`rank`), the result (`result`: `Plan`, `Candidate`), its table and picture

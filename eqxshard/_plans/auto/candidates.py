@@ -24,7 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from ..._tree import Path, is_array_like
 from ..fsdp import fsdp
-from ..rules import Rule, as_rule, dotted_path, path_rules
+from ..path_rules import path_rules
+from ..rules import Rule, as_rule, dotted_path
 
 AXES = ("data", "fsdp", "model")
 

@@ -23,6 +23,7 @@ from ..._placement import place as place_
 from ..._tree import is_array_like
 from ..plan import plan_shardings
 from .collectives import Collective, collectives
+from .pinned import PinnedOp, pinned_ops
 
 # Compile without LLVM's optimisations: the code is never run, and the figures read here
 # (buffer sizes, flops, collectives) come from the HLO passes before it. A third faster.
@@ -52,6 +53,7 @@ class Measurement:
     memory: dict[str, int]
     flops: float
     collectives: tuple[Collective, ...]
+    pinned: tuple[PinnedOp, ...] = ()  # ops run on one device and replicated
 
     @property
     def total(self) -> int:
@@ -174,7 +176,8 @@ def measurement(memory: Any, flops: float, hlo_text: str, shape: dict[str, int])
         "alias": int(memory.alias_size_in_bytes),
         "temp": int(memory.temp_size_in_bytes),
     }
-    return Measurement(stats, flops, tuple(collectives(hlo_text, shape)))
+    found = tuple(collectives(hlo_text, shape))
+    return Measurement(stats, flops, found, tuple(pinned_ops(hlo_text)))
 
 
 def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurement:

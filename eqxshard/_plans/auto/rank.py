@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 from ..._tree import format_bytes
-from . import extrapolate, links as links_
+from . import extrapolate, links as links_, pinned
 from .candidates import Layout
 from .measure import Measurement, Placed
 from .result import Candidate
@@ -91,8 +91,16 @@ def candidate(
         fits=total <= budget,
         estimated=estimated,
         measured_on=where,
-        reason=rejected or layout.note,
+        reason=_with_pinned(rejected or layout.note, measured),
     )
+
+
+def _with_pinned(reason: str, measured: Measurement) -> str:
+    """`reason`, and what XLA replicates of the step (`pinned`), if anything."""
+    if not measured.pinned:
+        return reason
+    note = pinned.verdict(list(measured.pinned))
+    return f"{reason}; {note}" if reason else note
 
 
 def _dominant(c: Candidate) -> tuple[str, int]:
