@@ -176,7 +176,9 @@ def test_compiled_program_passes_activations_and_never_gathers_weights(kind, rep
     assert bool(_ops(text, "all-to-all")) == (repeats > 1)
     # Each device holds 1/S of the stacked weights (and the whole, small, x).
     stacked = sum(a.nbytes for a in jax.tree.leaves(blocks))
-    args = compiled.memory_analysis().argument_size_in_bytes
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    args = memory.argument_size_in_bytes
     assert args == stacked // 8 + x.nbytes
 
 
@@ -191,7 +193,9 @@ def test_model_axis_splits_each_stage_further():
     # (an all-gather over the stage axis would give a result with all N layers).
     gathers = _ops(compiled.as_text(), "all-gather")
     assert not [g for g in gathers if re.search(rf"= f32\[{N},", g)], gathers
-    args = compiled.memory_analysis().argument_size_in_bytes
+    memory = compiled.memory_analysis()
+    assert memory is not None
+    args = memory.argument_size_in_bytes
     w, b = blocks["w"].nbytes, blocks["b"].nbytes
     assert args == w // 8 + b // 4 + x.nbytes  # w split over stage x model, b over stage
 

@@ -38,6 +38,7 @@ def test_every_leaf_of_the_stack(mesh):
     blocks = Model(jax.random.key(0)).blocks
     placed = eqxshard.filter_shard(blocks, mesh, eqxshard.stages())
     for leaf in (placed.weight, placed.bias):
+        assert leaf is not None
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, P("stage")), leaf.ndim)
     assert placed.in_features == 16  # statics untouched
 

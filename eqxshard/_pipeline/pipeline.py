@@ -115,7 +115,8 @@ def filter_pipeline(
     circular schedule: a microbatch goes round the stages `R` times, and the idle time,
     the bubble, falls from `(S-1)/(M+S-1)` to `(S-1)/(M*R+S-1)`). For `R > 1` a stack
     split contiguously over the stages is first regrouped by one all-to-all of each
-    stage's weights (in the forward pass, and once more for their gradients); none of the
+    stage's weights (in the forward pass, and once more for their gradients; padded to
+    `S*ceil(R/S)` chunks, so twice the stage's weights for `R=2, S=4`); none of the
     stacked weights is ever gathered whole. The mesh's other axes stay under the
     compiler: a batch split over `"data"` stays split (microbatch `m` is rows `m, m+M,
     ...`), and each stage's weights keep their layout over `"fsdp"`/`"model"` axes (lay
