@@ -27,6 +27,9 @@ def pathstr(path: Path) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
+_UNBUILT: Any = object()
+
+
 class Flat:
     """A PyTree flattened once: every leaf, which leaves are arrays, and their paths.
 
@@ -43,6 +46,16 @@ class Flat:
         self._tree = tree
         self._paths: list[Path] | None = None
 
+    @classmethod
+    def of_leaves(cls, leaves: list[Any], treedef: Any, is_array: list[bool]) -> Flat:
+        """A `Flat` from a flattening already made (`leaves`, `treedef`) and which leaves
+        are arrays: for a caller that flattened the tree itself. The tree is rebuilt only
+        if the paths are asked for."""
+        flat = cls.__new__(cls)
+        flat.leaves, flat.treedef, flat.is_array = leaves, treedef, is_array
+        flat._tree, flat._paths = _UNBUILT, None
+        return flat
+
     @property
     def paths(self) -> list[Path]:
         """Each leaf's key path, in the order of `leaves`.
@@ -51,6 +64,8 @@ class Flat:
         with paths costs more than flattening, and placing a model needs no paths.
         """
         if self._paths is None:
+            if self._tree is _UNBUILT:
+                self._tree = jax.tree_util.tree_unflatten(self.treedef, self.leaves)
             with_path, _ = jax.tree_util.tree_flatten_with_path(self._tree)
             self._paths = [p for p, _ in with_path]
         return self._paths

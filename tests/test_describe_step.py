@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
 from eqxshard import StepLeaf, describe_step
-from eqxshard._plans.auto.pinned import pinned_ops
+from eqxshard._step.pinned import pinned_ops
 
 OPTIMIZER = optax.sgd(0.1)
 

@@ -81,6 +81,16 @@ def test_placement_benchmark_quick():
     )
 
 
+def test_step_benchmark_quick():
+    """The step benchmark still runs (its timings are not checked): every way in its table."""
+    result = run_script(ROOT / "benchmarks" / "step.py", "--quick")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "480 array leaves" in result.stdout, output
+    for way in ("jax.jit on flat leaves", "eqx.filter_jit", "filter_jit, in_shardings", "StepLoop"):
+        assert re.search(re.escape(way) + r".*\d+ us\s+[\d.]+x", result.stdout), output
+
+
 def test_transfer_benchmark_quick():
     """The staged path, forced onto CPU devices, runs and gives `device_put`'s bits."""
     result = run_script(ROOT / "benchmarks" / "transfer.py", "--quick")

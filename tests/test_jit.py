@@ -316,6 +316,52 @@ def test_inputs_moved_in_one_batched_transfer(monkeypatch):
     assert calls == []
 
 
+@AXES
+@pytest.mark.parametrize("out_shardings", [None, P("data")], ids=["no-out", "out"])
+def test_mixed_misplaced_inputs_moved_in_one_device_put(axis_type, out_shardings, monkeypatch):
+    mesh = _mesh(axis_type)
+    f = _filter_jit(
+        lambda a, b, c: a + b + c, in_shardings=P("data"), out_shardings=out_shardings, mesh=mesh
+    )
+    ones = jnp.ones((8, 4))
+    a = jax.device_put(ones, jax.devices()[1])  # on one device
+    b = jax.device_put(ones, NamedSharding(mesh, P()))  # replicated
+    c = jax.device_put(ones, NamedSharding(mesh, P(None, "model")))  # split along dim 1
+    calls = []
+    device_put = jax.device_put
+    monkeypatch.setattr(jax, "device_put", lambda *a, **k: calls.append(a) or device_put(*a, **k))
+    for _ in range(3):  # the first call (which compiles) and later ones
+        calls.clear()
+        out = f(a, b, c)
+        assert len(calls) == 1 and len(calls[0][0]) == 3  # one batched transfer of all three
+        np.testing.assert_array_equal(out, 3.0)
+    rows = NamedSharding(mesh, P("data"))
+    placed = [device_put(x, rows) for x in (a, b, c)]
+    calls.clear()
+    f(*placed)
+    assert calls == []
+
+
+@AXES
+def test_layouts_resolved_once_per_signature(axis_type):
+    mesh = _mesh(axis_type)
+    n = 0
+
+    def f(x):
+        nonlocal n
+        n += 1
+        return x * 2
+
+    g = _filter_jit(f, in_shardings=P("data"), out_shardings=P(None, "model"), mesh=mesh)
+    for shape in [(8, 2), (8, 2), (16, 4), (8, 2), (16, 4), (8, 2)]:
+        out = g(jnp.ones(shape))
+        assert out.shape == shape and out.sharding.spec == P(None, "model")
+        np.testing.assert_array_equal(out, 2.0)
+    assert n == 2  # one trace per input signature, however they alternate
+    with pytest.raises(ValueError, match=r"In `in_shardings`(.|\n)*6 is not divisible by 4"):
+        g(jnp.ones((6, 2)))  # a new signature is resolved (and checked) anew
+
+
 def test_move_inputs_false_names_leaf_and_layouts():
     mesh = _mesh(AxisType.Explicit)
     f = _filter_jit(lambda x, y: x + y, in_shardings=P("data"), mesh=mesh, move_inputs=False)

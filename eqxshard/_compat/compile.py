@@ -6,7 +6,12 @@ import jax
 
 # Never run: skip LLVM's optimisations (typed `dict[str, str]` by JAX, but XLA wants these
 # values as an int and a bool).
-_FAST: dict = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# Nor constant folding (slow on big steps, and nothing here runs): as auto_plan's compiles.
+_FAST: dict = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_disable_hlo_passes": "constant_folding",
+}
 
 
 def compile_stablehlo(text: str, devices: int) -> tuple[dict[str, int], float, str]:

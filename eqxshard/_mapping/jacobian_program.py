@@ -5,6 +5,7 @@ and pushing it through `f` in chunks (`basis.pushed`), optionally split over a m
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -257,5 +258,32 @@ def _make(
     if not callable(fun):
         raise TypeError(f"`{name}(fun)` must be callable, got {type(fun).__name__}.")
     axes = _check_options(name, batch_size, memory_budget, mesh, axis)
-    auto = AutoBatchSize(name, memory_budget) if batch_size == "auto" else None
-    return _Jac(fun, has_aux, rev, batch_size, mesh, axes, auto, name, Programs(_run))
+    programs, auto = _shared((name, rev, fun, has_aux, batch_size, memory_budget, mesh, axes))
+    return _Jac(fun, has_aux, rev, batch_size, mesh, axes, auto, name, programs)
+
+
+# The compiled programs (and chosen chunk sizes) of each Jacobian verb made before, by its
+# function and options: `filter_hessian(f, batch_size=3)(x)` written out at every call (as
+# `jax.hessian(f)(x)` is) compiles once per input signature, not at every call (jax#7621).
+# A function that is not hashable (a module holding arrays) gets a cache of its own.
+_SHARED: OrderedDict[Any, tuple[Programs, AutoBatchSize | None]] = OrderedDict()
+_SHARED_SIZE = 64
+
+
+def _shared(key: tuple) -> tuple[Programs, AutoBatchSize | None]:
+    name, _, _, _, batch_size, memory_budget, _, _ = key
+    try:
+        found = _SHARED.get(key)
+        hashable = True
+    except TypeError:
+        found, hashable = None, False
+    if found is None:
+        auto = AutoBatchSize(name, memory_budget) if batch_size == "auto" else None
+        found = (Programs(_run), auto)
+        if hashable:
+            _SHARED[key] = found
+            while len(_SHARED) > _SHARED_SIZE:
+                _SHARED.popitem(last=False)
+    else:
+        _SHARED.move_to_end(key)
+    return found

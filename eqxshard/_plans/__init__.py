@@ -7,5 +7,6 @@ stage in `by_stage`), and `auto_plan`, which chooses a layout by compiling and m
 candidates (the folder `auto`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
-`eqxshard._shard_map`, `eqxshard._pipeline` and this folder.
+`eqxshard._shard_map`, `eqxshard._step` (`Plan.jit` is `filter_jit`), `eqxshard._pipeline`
+and this folder.
 """

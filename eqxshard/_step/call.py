@@ -2,18 +2,23 @@
 
 A call flattens `(fun, args, kwargs)` once: array leaves are traced, the rest (with the
 tree structure) is held static and is the cache key, as in `eqx.filter_jit`. For each key
-one Python function is traced, by one `jax.jit` per input signature (shapes and dtypes)
-that carries the resolved `in_shardings`, `out_shardings` and `donate_argnums` over the
-array leaves in their flattening order: the very program a hand-written `jax.jit` with
-those arguments compiles. JAX's own trace cache is keyed by that function, so a key is
-traced once however many `jax.jit`s share it (one more only where `out_shardings` needs
-the output's structure first: then the trace is done first and reused).
+one Python function is traced, by one `jax.jit` that carries the resolved `in_shardings`,
+`out_shardings` and `donate_argnums` over the array leaves in their flattening order: the
+very program a hand-written `jax.jit` with those arguments compiles (`entry.py`).
+
+Layouts depend on the inputs' shapes, so a configuration with `in_shardings`,
+`out_shardings` or a `donate` filter resolves them once per input signature (each leaf's
+abstract value); without them one entry serves every signature and JAX's own cache tells
+signatures apart. A call like one seen before does no more than flatten, split the
+leaves, look its entry up, check that laid-out inputs are still the very layouts last
+found right (`entry.lay_out`), call the `jax.jit` and rebuild the output.
 """
 
 from __future__ import annotations
 
 import functools as ft
 import inspect
+import operator
 import os
 import warnings
 from typing import Any
@@ -22,59 +27,15 @@ import equinox as eqx
 import jax
 
 from .._compat import equinox_runtime_error, is_tracer
-from .._tree import Flat, is_array_like, leaf_error
-from . import donate as _donate, layouts as _layouts, sharding_note as _sharding_note
-from .static import call_path, hashable_key
+from .._tree import Flat
+from . import layouts as _layouts, sharding_note as _sharding_note
+from .entry import Entry, build, lay_out, output
+from .leaves import Split
+from .static import hashable_key
 
-_UNSET: Any = object()
-
-
-class _Static(eqx.Module):
-    """The non-array part of an output, carried through `jax.jit` as tree metadata."""
-
-    value: Any = eqx.field(static=True)
-
-
-# One traced function per static part of a call (and per `filter_jit` configuration):
-# shared by every wrapper of an equal function, as `eqx.filter_jit` shares its cache.
-_FUNS: dict[Any, Any] = {}
-# The `jax.jit` (and resolved layouts) per static part and input signature.
-_JITS: dict[Any, _Entry] = {}
-
-
-class _Entry:
-    def __init__(self, jitted: Any, in_shardings: dict[int, Any], suppress: bool):
-        self.jitted, self.in_shardings, self.suppress = jitted, in_shardings, suppress
-
-
-def _traced_fun(key: Any, static: tuple, name: tuple[str, str]) -> Any:
-    found = _FUNS.get(key)
-    if found is not None:
-        return found
-    treedef, static_leaves = static
-
-    def fun(*dynamic: Any) -> Any:
-        it = iter(dynamic)
-        leaves = [next(it) if s is _UNSET else s for s in static_leaves]
-        call_fun, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        out = call_fun(*args, **kwargs)
-        out_leaves, out_def = jax.tree_util.tree_flatten(out)
-        arrays = [x for x in out_leaves if eqx.is_array(x)]
-        rest = tuple(_UNSET if eqx.is_array(x) else x for x in out_leaves)
-        return arrays, _Static((out_def, rest))
-
-    fun.__name__, fun.__qualname__ = name
-    _FUNS[key] = fun
-    return fun
-
-
-def _output(out: Any) -> Any:
-    """The user's output from what the traced function returns (its arrays, and the rest
-    as tree metadata); also the abstract output, from `out_info`."""
-    arrays, static = out
-    out_def, rest = static.value
-    it = iter(arrays)
-    return jax.tree_util.tree_unflatten(out_def, [next(it) if x is _UNSET else x for x in rest])
+# Per static part of a call (with the configuration): its entry, or its entries by
+# input signature.
+_SITES: dict[Any, dict[Any, Any]] = {}
 
 
 class _JitWrapper(eqx.Module):
@@ -110,6 +71,12 @@ class _Config:
     def __init__(self, donate, in_shardings, out_shardings, mesh, move_inputs):
         self.donate, self.in_shardings, self.out_shardings = donate, in_shardings, out_shardings
         self.mesh, self.move_inputs = mesh, move_inputs
+        # Layouts (and a `donate` filter) are resolved per input signature.
+        self.per_signature = (
+            in_shardings is not None
+            or out_shardings is not None
+            or (callable(donate) and not isinstance(donate, (str, eqx.Module)))
+        )
         parts = (donate, in_shardings, out_shardings, mesh, move_inputs)
         leaves, treedef = jax.tree_util.tree_flatten(parts, is_leaf=_layouts.is_layout_leaf)
         self.key: Any = (treedef, tuple(leaves))
@@ -133,34 +100,27 @@ def _bind(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 
 
 def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> Any:
-    config: _Config = wrapper._config
-    args, kwargs = _bind(wrapper, args, kwargs)
-    fun = wrapper._fun
-    fun_leaves = jax.tree_util.tree_leaves(fun)
-    flat = Flat((fun, args, kwargs))
-    static = (
-        flat.treedef,
-        tuple(_UNSET if a else x for x, a in zip(flat.leaves, flat.is_array, strict=True)),
-    )
-    key = hashable_key((config.key, static), flat)
-    dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
-    signature = tuple(_signature_of(x) for x in dynamic)
-    entry = _JITS.get((key, signature))
-    if entry is None:
-        entry = _build(wrapper, key, static, flat, fun_leaves, args, kwargs)
-        _JITS[(key, signature)] = entry
-    if entry.in_shardings:
-        dynamic = _lay_out(config, flat, entry.in_shardings)
+    if wrapper._signature is not None:
+        args, kwargs = _bind(wrapper, args, kwargs)
+    entry, dynamic = entry_of(wrapper, args, kwargs)
+    runs = entry.runs_of(dynamic)
     if lower:
-        return Lowered(entry.jitted.lower(*dynamic), wrapper, entry)
+        return Lowered(entry.jitted.lower(*runs), wrapper, entry)
+    return output(run(entry, runs))
+
+
+def run(entry: Entry, runs: list[list[Any]]) -> Any:
+    """Calls the entry's `jax.jit` and waits for it, as `eqx.filter_jit` does, so that a
+    runtime error (`eqx.error_if`) is raised here, with Equinox's message."""
     # Equinox finds the user's frames for `eqx.error_if` messages by this local's name.
     __equinox_jit_id__ = os.urandom(16)
     try:
-        with warnings.catch_warnings():
-            if entry.suppress:
+        if entry.suppress:
+            with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            out = entry.jitted(*dynamic)
-        # As `eqx.filter_jit`: wait for the result, so a runtime error is raised here.
+                out = entry.jitted(*runs)
+        else:
+            out = entry.jitted(*runs)
         # (Only JAX arrays: a float0 output is a NumPy-like array with nothing to wait on.)
         first = next((x for x in out[0] if isinstance(x, jax.Array) and not is_tracer(x)), None)
         if first is not None:
@@ -170,74 +130,55 @@ def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> An
         if error is None:
             raise
         raise error from None
-    return _output(out)
+    return out
 
 
-def _signature_of(x: Any) -> Any:
-    return (getattr(x, "shape", None), getattr(x, "dtype", None), getattr(x, "weak_type", None))
+_LAST: Any = object()  # a site's key for the avals of its last call, and their entry
 
 
-def _lay_out(config: _Config, flat: Flat, shardings: dict[int, Any]) -> list[Any]:
-    """The call's array leaves, laid out as `in_shardings` asks (or checked to be)."""
-    if config.move_inputs:
-        moved = _layouts.move_inputs(flat, shardings)
-    else:
-        _layouts.check_inputs(flat, shardings)
-        moved = {}
-    return [moved.get(i, x) for i, x in enumerate(flat.leaves) if flat.is_array[i]]
+def _lookup(site: dict, split: Split) -> tuple[Entry | None, Any, list | None]:
+    """The entry for the call's input signature, the signature, and the avals to remember
+    as the last call's. JAX shares the abstract value of arrays alike, so a call with the
+    very avals of the last one is found by identity, without hashing them."""
+    if split.host:
+        signature = split.signature()
+        return site.get(signature), signature, None
+    avals = [x.aval for x in split.dynamic]
+    last = site.get(_LAST)
+    if last is not None and len(last[0]) == len(avals) and all(map(operator.is_, avals, last[0])):
+        return last[1], None, None
+    signature = tuple(avals)
+    return site.get(signature), signature, avals
 
 
-def _build(
-    wrapper: _JitWrapper, key: Any, static: tuple, flat: Flat, fun_leaves: list, args, kwargs
-) -> _Entry:
+def entry_of(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[Entry, list[Any]]:
+    """The entry of this call (built on first sight) and its array leaves, laid out."""
     config: _Config = wrapper._config
-    name = _names(wrapper._fun)
-    fun = _traced_fun(key, static, name)
-    flags = sum(_donate.donated(config.donate, fun_leaves, args, kwargs), [])
-    arrays = flat.array_indices
-    donate_argnums = tuple(n for n, i in enumerate(arrays) if flags[i])
-    in_shardings: dict[int, Any] = {}
-    if config.in_shardings is not None:
-        n_fun = len(fun_leaves)
-        n_args = len(jax.tree_util.tree_leaves(args))
-        tree: Any = args
-        if _layouts.is_layout_leaf(config.in_shardings):
-            tree, n_args = (args, kwargs), len(flat.leaves) - n_fun
-        else:
-            _no_kwargs(flat, n_fun + n_args)
-        found = _layouts.resolve_layouts(
-            tree, config.in_shardings, mesh=config.mesh, argname="in_shardings"
-        )
-        in_shardings = {n_fun + i: s for i, s in found.items()}
-    jit_in = tuple(in_shardings.get(i) for i in arrays) if in_shardings else None
-    kw: dict[str, Any] = {"donate_argnums": donate_argnums}
-    if jit_in is not None:
-        kw["in_shardings"] = jit_in
-    if config.out_shardings is not None:
-        dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
-        if in_shardings:
-            dynamic = _lay_out(config, flat, in_shardings)
-        traced = jax.jit(fun, **kw).trace(*dynamic)
-        abstract = _output(traced.out_info)
-        found = _layouts.resolve_layouts(
-            abstract, config.out_shardings, mesh=config.mesh, argname="out_shardings"
-        )
-        out_flat = Flat(abstract, is_array=is_array_like)
-        kw["out_shardings"] = ([found.get(i) for i in out_flat.array_indices], None)
-    return _Entry(jax.jit(fun, **kw), in_shardings, _donate.suppress_warning(config.donate))
-
-
-def _no_kwargs(flat: Flat, end: int) -> None:
-    rows = [(call_path(flat.paths[i]),) for i in flat.array_indices if i >= end]
-    if rows:
-        raise ValueError(
-            leaf_error(
-                "`filter_jit` got `in_shardings` as a tree over the positional arguments, "
-                "but these array leaves come in through `**kwargs`:",
-                rows,
-                "Pass them by position, or give `in_shardings` as one layout for all leaves.",
-            )
-        )
+    tree = (wrapper._fun, args, kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    split = Split(leaves)
+    key = (config.key, treedef, split.static)
+    flat = lambda: Flat.of_leaves(leaves, treedef, split.is_array)
+    try:
+        site = _SITES.get(key)
+    except TypeError:
+        hashable_key(key, flat())  # raises, naming the unhashable static leaves
+        raise
+    if site is None:
+        site = _SITES[key] = {}
+    entry, signature, avals = (
+        _lookup(site, split) if config.per_signature else (site.get(None), None, None)
+    )
+    if entry is None:
+        fun = wrapper._fun
+        entry, dynamic = build(config, fun, key, flat(), args, kwargs, _names(fun))
+        site[signature] = entry
+        if avals is not None:
+            site[_LAST] = (avals, entry)
+        return entry, dynamic
+    if avals is not None:
+        site[_LAST] = (avals, entry)
+    return entry, lay_out(entry, config, split.dynamic, split.traced, flat)
 
 
 def _names(fun: Any) -> tuple[str, str]:
@@ -257,7 +198,7 @@ def _names(fun: Any) -> tuple[str, str]:
 class Lowered:
     """A lowered `filter_jit` call: `as_text()`, `compile()`, and `lowered` (JAX's)."""
 
-    def __init__(self, lowered: Any, wrapper: _JitWrapper, entry: _Entry):
+    def __init__(self, lowered: Any, wrapper: _JitWrapper, entry: Entry):
         self.lowered, self._wrapper, self._entry = lowered, wrapper, entry
 
     def as_text(self, *args: Any, **kwargs: Any) -> str:
@@ -271,7 +212,7 @@ class Compiled:
     """A compiled `filter_jit` call: call it with the arguments `lower` was given (arrays
     of the same shapes); `compiled` is JAX's (`memory_analysis()`, `as_text()`)."""
 
-    def __init__(self, compiled: Any, wrapper: _JitWrapper, entry: _Entry):
+    def __init__(self, compiled: Any, wrapper: _JitWrapper, entry: Entry):
         self.compiled, self._wrapper, self._entry = compiled, wrapper, entry
 
     def as_text(self) -> str:
@@ -282,9 +223,10 @@ class Compiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = _bind(self._wrapper, args, kwargs)
-        flat = Flat((self._wrapper._fun, args, kwargs))
-        if self._entry.in_shardings:  # laid out as for a call
-            dynamic = _lay_out(self._wrapper._config, flat, self._entry.in_shardings)
-        else:
-            dynamic = [x for x, a in zip(flat.leaves, flat.is_array, strict=True) if a]
-        return _output(self.compiled(*dynamic))
+        tree = (self._wrapper._fun, args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        split = Split(leaves)
+        flat = lambda: Flat.of_leaves(leaves, treedef, split.is_array)
+        # Laid out as for a call.
+        dynamic = lay_out(self._entry, self._wrapper._config, split.dynamic, split.traced, flat)
+        return output(self.compiled(*self._entry.runs_of(dynamic)))

@@ -8,11 +8,12 @@ from typing import Any
 
 import jax
 
-from .._plans.auto.pinned import pinned_ops
 from .._tree import Flat, is_array_like, pathstr
 from . import layouts as _layouts
-from .call import _JitWrapper, _output
+from .call import _JitWrapper
+from .entry import output as _output
 from .jit import filter_jit
+from .pinned import pinned_ops
 from .static import call_path
 from .step_report import StepLeaf, StepReport
 

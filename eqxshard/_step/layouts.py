@@ -25,7 +25,6 @@ from .._placement import (
     spec_tree as _spec_tree,
     targets as _targets,
 )
-from .._plans.rules import Rule
 from .._tree import Flat, Path, is_array_like, leaf_error, pathstr
 from .static import call_path
 
@@ -66,14 +65,15 @@ _SHAPE = {
 }
 
 
-class _Dispatch(Rule):
-    """The spec-like layouts of a tree: each leaf asks the layout above it, with its path
-    relative to where that layout was given."""
+class _Dispatch:
+    """The spec-like layouts of a tree, as one rule (read by its `spec_for`, as
+    `filter_shard` reads rules, so that this layer needs no import of `_plans`): each
+    leaf asks the layout above it, with its path relative to where it was given."""
 
     def __init__(self, layouts: dict[Path, tuple[Path, Any]]):
         self.layouts = layouts
 
-    def match(self, path: Path, leaf: Any, mesh: Any) -> Any:
+    def spec_for(self, path: Path, leaf: Any, mesh: Any) -> Any:
         prefix, layout = self.layouts[tuple(path)]
         return _spec_tree.spec_at(layout, tuple(path)[len(prefix) :], leaf, mesh)
 
@@ -134,7 +134,7 @@ def _resolved(flat: Flat, targets: Any, spec: Any, argname: str) -> dict[int, Sh
 def _kind(layout: Any) -> str:
     if isinstance(layout, PartitionSpec):
         return f"spec {layout}"
-    return f"rule {layout!r}" if isinstance(layout, Rule) else "a callable spec"
+    return f"rule {layout!r}" if _spec_tree.is_rule(layout) else "a callable spec"
 
 
 def check_inputs(flat: Flat, shardings: dict[int, Sharding]) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 from jax.sharding import NamedSharding, Sharding
 
 from .._compat import spec_str
-from .._plans.auto.pinned import FIX, PinnedOp
 from .._tree import format_bytes, shape_str
+from .pinned import FIX, PinnedOp
 
 
 @dataclasses.dataclass(frozen=True)

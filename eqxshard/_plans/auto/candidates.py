@@ -187,6 +187,7 @@ class Layout:
     shape: dict[str, int]
     rules: Any
     note: str = ""
+    offload: bool = False  # the optimiser state in pinned host memory between steps
 
     @property
     def devices(self) -> int:

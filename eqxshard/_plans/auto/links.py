@@ -64,10 +64,12 @@ LINKS: dict[str, Link] = {
 }
 """`auto_plan`'s `Link` presets by name: `"nvlink4"`, `"nvlink3"`, `"pcie4"`, `"pcie5"`,
 `"tpu_v5e_ici"` within a node; `"infiniband_ndr"`, `"infiniband_hdr"`, `"ethernet_100g"`
-between nodes; `"intra_node"` (`"nvlink4"`) and `"inter_node"` (`"infiniband_ndr"`).
+between nodes; `"intra_node"` (`"nvlink4"`) and `"inter_node"` (`"infiniband_ndr"`); `"host"`
+(`"pcie5"`), device to pinned host memory.
 Nominal per-device, per-direction rates from the vendors' data sheets, rounded."""
 LINKS["intra_node"] = LINKS["nvlink4"]
 LINKS["inter_node"] = LINKS["infiniband_ndr"]
+LINKS["host"] = LINKS["pcie5"]  # device <-> pinned host memory, for offload
 
 # Every axis, unless told otherwise: one host's devices.
 DEFAULT_LINK = "intra_node"
@@ -91,25 +93,6 @@ def as_link(value: Any, where: str) -> Link:
         f"`auto_plan` takes {where} as a preset name ({', '.join(sorted(LINKS))}) or an "
         f"`eqxshard.Link`, but got {type(value).__name__}."
     )
-
-
-def resolve_links(links: Any, axes: Iterable[str]) -> dict[str, Link]:
-    """`links` (None, a preset, a `Link`, or {axis: preset or Link}) as a Link per axis."""
-    axes = list(axes)
-    if links is None:
-        links = DEFAULT_LINK
-    if isinstance(links, Mapping):
-        unknown = sorted(set(links) - set(axes))
-        if unknown:
-            raise ValueError(
-                f"`auto_plan(links=...)` names axes {unknown}; the axes are {axes}. "
-                "Give a link for some of these (the others get the default, "
-                f"{DEFAULT_LINK!r})."
-            )
-        default = LINKS[DEFAULT_LINK]
-        return {a: as_link(links[a], f"`links[{a!r}]`") if a in links else default for a in axes}
-    link = as_link(links, "`links`")
-    return dict.fromkeys(axes, link)
 
 
 # Per kind: (bytes each device sends per byte of the result, sequential steps), for a

@@ -20,14 +20,25 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ..._placement import place as place_
+from ..._placement.put import filter_put
+from ..._step.pinned import PinnedOp, pinned_ops
 from ..._tree import is_array_like
 from ..plan import plan_shardings
 from .collectives import Collective, collectives
-from .pinned import PinnedOp, pinned_ops
+from .host_memory import host_bytes
+
+HOST = "pinned_host"  # the memory kind offloaded optimiser state lives in
 
 # Compile without LLVM's optimisations: the code is never run, and the figures read here
 # (buffer sizes, flops, collectives) come from the HLO passes before it. A third faster.
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+# Nor with constant folding, which folds what the code would compute when it ran: a
+# step's gradient of a cross-entropy (a scatter over the batch) took 10-16 s of each 7B
+# compile folding it, for figures equal within a millionth (benchmarks/auto_plan_7b.py).
+FAST_COMPILE = {
+    "xla_backend_optimization_level": 0,
+    "xla_llvm_disable_expensive_passes": True,
+    "xla_disable_hlo_passes": "constant_folding",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +65,13 @@ class Measurement:
     flops: float
     collectives: tuple[Collective, ...]
     pinned: tuple[PinnedOp, ...] = ()  # ops run on one device and replicated
+    host: int = 0  # bytes per device of the arguments and outputs held in host memory
 
     @property
     def total(self) -> int:
+        """Bytes per device in device memory."""
         m = self.memory
-        return m["argument"] + m["output"] - m["alias"] + m["temp"]
+        return m["argument"] + m["output"] - m["alias"] + m["temp"] - self.host
 
 
 def abstract(tree: Any) -> Any:
@@ -105,17 +118,22 @@ def _constrain(tree: Any, shardings: Any) -> Any:
 
 
 def program(
-    problem: Problem, model_shardings: Any, opt_shardings: Any, static: Any
+    problem: Problem, model_shardings: Any, opt_shardings: Any, static: Any, offload: bool
 ) -> Callable[..., Any]:
-    """The step as one function of array trees, the new model and state constrained."""
+    """The step as one function of array trees, the new model and state constrained; with
+    `offload`, the state moved from host memory for the update and back."""
 
     def run(model_arrays: Any, opt_state: Any, batch: Any) -> Any:
         model = eqx.combine(model_arrays, static)
         if not problem.trains:
             return eqx.filter(problem.step(model, batch), eqx.is_array)
+        if offload:
+            opt_state = filter_put(opt_state, memory_kind="device")
         new_model, new_state, loss = problem.step(model, opt_state, batch)
         new_model = _constrain(new_model, model_shardings)
         new_state = _constrain(new_state, opt_shardings)
+        if offload:
+            new_state = filter_put(new_state, memory_kind=HOST)
         return eqx.filter((new_model, new_state, loss), eqx.is_array)
 
     return run
@@ -134,16 +152,35 @@ class Placed:
     gradients: int
     opt_state: int
     batch: int
+    offload: bool = False
+
+
+def _on_host(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=x.sharding.with_memory_kind(HOST)
+        ),
+        tree,
+    )
 
 
 def place(
-    problem: Problem, mesh: Mesh | AbstractMesh, rules: Any, batch: Any, batch_spec: Any
+    problem: Problem,
+    mesh: Mesh | AbstractMesh,
+    rules: Any,
+    batch: Any,
+    batch_spec: Any,
+    offload: bool = False,
 ) -> Placed:
+    """The candidate's arguments laid out on `mesh`; with `offload`, the optimiser state
+    in pinned host memory (`opt_state` bytes are then host bytes)."""
     model, model_shardings, parameters, gradients = placed(problem.model, mesh, rules)
     arrays, static = eqx.partition(model, is_array_like)
     opt_state, opt_shardings, opt_bytes = None, None, 0
     if problem.trains:
         opt_state, opt_shardings, opt_bytes, _ = placed(problem.opt_state, mesh, rules)
+        if offload:
+            opt_state = _on_host(opt_state)
     batch_placed, _, batch_bytes, _ = placed(batch, mesh, batch_spec)
     return Placed(
         (arrays, opt_state, batch_placed),
@@ -154,11 +191,12 @@ def place(
         gradients,
         opt_bytes,
         batch_bytes,
+        offload and problem.trains,
     )
 
 
 def _jit(problem: Problem, p: Placed) -> Any:
-    run = program(problem, p.model_shardings, p.opt_shardings, p.static)
+    run = program(problem, p.model_shardings, p.opt_shardings, p.static, p.offload)
     return jax.jit(run, donate_argnums=(0, 1) if problem.trains else ())
 
 
@@ -176,8 +214,11 @@ def measurement(memory: Any, flops: float, hlo_text: str, shape: dict[str, int])
         "alias": int(memory.alias_size_in_bytes),
         "temp": int(memory.temp_size_in_bytes),
     }
+    host = host_bytes(hlo_text, stats["alias"])
+    if getattr(memory, "host_argument_size_in_bytes", 0):  # counted apart already (GPU)
+        host = 0
     found = tuple(collectives(hlo_text, shape))
-    return Measurement(stats, flops, found, tuple(pinned_ops(hlo_text)))
+    return Measurement(stats, flops, found, tuple(pinned_ops(hlo_text)), host)
 
 
 def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurement:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..._step import pinned
 from ..._tree import format_bytes
-from . import extrapolate, links as links_, pinned
+from . import extrapolate, links as links_, offload as offload_
 from .candidates import Layout
 from .measure import Measurement, Placed
 from .result import Candidate
@@ -24,8 +25,11 @@ def candidate(
     budget: int,
     links: dict[str, links_.Link],
     flops_per_second: float,
+    host: int = 0,
 ) -> Candidate:
-    """One row of the table, unranked (`rank` 0)."""
+    """One row of the table, unranked (`rank` 0); `host` is the bytes per device of the
+    optimiser state held in host memory when `layout.offload`."""
+    offloaded = ("optimizer state",) if layout.offload else ()
     if measured is None:
         known = sum(exact.values()) if exact else None
         return Candidate(
@@ -43,10 +47,17 @@ def candidate(
             estimated=False,
             measured_on="not compiled",
             reason=rejected,
+            offload=offloaded,
+            host_bytes=host,
         )
     if small is None:
         parts = dict(exact)
-        parts["activations"] = max(measured.total - sum(exact.values()), 0)
+        short = sum(exact.values()) - measured.total
+        if short > 0 and "gradients" in parts:
+            # The compiled step never holds every gradient at once (XLA fused their
+            # update into the backward pass): the arguments are there, the rest is not.
+            parts["gradients"] = max(parts["gradients"] - short, 0)
+        parts["activations"] = max(measured.total - sum(parts.values()), 0)
         total, flops, found = (
             max(measured.total, sum(parts.values())),
             measured.flops,
@@ -58,7 +69,7 @@ def candidate(
         known_small = {
             "parameters": placed.parameters,
             "gradients": placed.gradients,
-            "optimizer state": placed.opt_state,
+            "optimizer state": 0 if placed.offload else placed.opt_state,
             "batch": placed.batch,
         }
         pairs = {k: (known_small[k], v) for k, v in exact.items()}
@@ -72,6 +83,11 @@ def candidate(
         sent[c.kind] = sent.get(c.kind, 0) + int(moved * c.count)
         comm += c.count * links_.seconds(c.kind, c.bytes, c.group_size, c.axes, links)
     compute = flops / flops_per_second
+    host_time = offload_.seconds(host, links) if layout.offload else 0.0
+    note = layout.note
+    if layout.offload:
+        pcie = f"optimiser state in host memory: {seconds_str(host_time)} of PCIe per step"
+        note = f"{pcie}; {note}" if note else pcie
     order = {
         k: sent[k]
         for k in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -87,11 +103,14 @@ def candidate(
         collectives=order,
         communication_time=comm,
         compute_time=compute,
-        time=comm + compute,
+        time=comm + compute + host_time,
         fits=total <= budget,
         estimated=estimated,
         measured_on=where,
-        reason=_with_pinned(rejected or layout.note, measured),
+        reason=_with_pinned(rejected or note, measured),
+        offload=offloaded,
+        host_bytes=host,
+        host_time=host_time,
     )
 
 

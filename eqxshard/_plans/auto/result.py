@@ -10,10 +10,12 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
+from ..._compat import spec_str
 from ..._placement.shard import filter_shard
 from ..._tree import format_bytes
 from ..plan import filter_init
-from . import view
+from . import choices, use, view
+from .meshes import mesh_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,19 +28,26 @@ class Candidate:
         parallel), products of these (`FSDP x TP`), or `rules[k]` for the user's `k`th rule.
     - `mesh_shape`: axis name -> size (size-1 axes dropped).
     - `rules`: the rule, usable as any `spec` (its `repr` is Python to paste and edit).
-    - `bytes`: bytes per device by part: `parameters`, `gradients` (with an optimiser),
-        `optimizer state`, `batch`, `activations` (with every other temporary).
+    - `bytes`: bytes per device by part: `parameters`, `gradients` (with an optimiser;
+        less what the compiled step never holds at once, where XLA fused the update into
+        the backward pass), `optimizer state` (0 when offloaded), `batch`, `activations`
+        (with every other temporary).
     - `total_bytes`: bytes per device of the whole compiled step (arguments, outputs
         less what they reuse by donation, temporaries); `None` if it could not be built.
     - `collectives`: bytes each device sends per step, by kind (`all-reduce`,
         `all-gather`, `reduce-scatter`, `all-to-all`, `collective-permute`).
     - `communication_time`, `compute_time`, `time`: estimated seconds per step (the
-        alpha-beta model over the axes' links; flops over `flops_per_second`; their sum).
+        alpha-beta model over the axes' links; flops over `flops_per_second`; their sum,
+        with `host_time`).
     - `fits`: whether `total_bytes` is within the budget.
     - `estimated`: whether the figures come from a smaller mesh (see `measured_on`).
     - `measured_on`: where the figures come from: `compiled here`, `compiled in a
         subprocess with N CPU devices`, or the smaller mesh they are scaled from.
     - `reason`: why it was chosen or not (over budget by how much, how much slower).
+    - `offload`: the parts held in pinned host memory between steps (`("optimizer
+        state",)` or `()`); their bytes per device are `host_bytes` (not in
+        `total_bytes`, which is device memory), and moving them in and out over the
+        `host` link takes `host_time` seconds per step (part of `time`).
     """
 
     rank: int
@@ -55,14 +64,20 @@ class Candidate:
     estimated: bool
     measured_on: str
     reason: str
+    offload: tuple[str, ...] = ()
+    host_bytes: int = 0
+    host_time: float = 0.0
 
 
-@dataclasses.dataclass(frozen=True, repr=False)
+@dataclasses.dataclass(frozen=True, init=False, repr=False, eq=False)
 class Plan:
     """The layout `auto_plan` chose, and every candidate it weighed.
 
     - `mesh`: a `Mesh` over the devices asked for, or an `AbstractMesh` of the same
-        shape when there are more devices than this machine has.
+        shape when there are more devices than this machine has. Given as a dict of axis
+        sizes (`{"data": 256, "model": 2}`, as `repr` writes it), it is built over this
+        process's devices (`jax.make_mesh`'s order, Auto axes), or abstract when they are
+        too few.
     - `rules`: the rule for the model and the optimiser state, usable as `spec`
         anywhere (`filter_shard`, `filter_plan`, `filter_init`, `describe`). Its `repr`
         is Python to paste into a script and edit.
@@ -70,9 +85,18 @@ class Plan:
         the data axes).
     - `table`: every `Candidate`, ranked; `table[0]` is the chosen one.
     - `budget`: the budget in bytes per device.
+    - `remat`: the rematerialisation policy per stacked layer, by its path: `"none"`,
+        `"dots"`, `"full"` or `"offload"` (`{}`: none chosen).
+    - `offload`: the parts held in pinned host memory between steps and moved in for
+        the update: `("optimizer state",)` or `()`.
+    - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
+        "repeats": ...}`.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
-    candidate's bytes per device against the budget.
+    candidate's bytes per device against the budget. `repr(plan)` is Python that builds
+    an equal plan (without the table): paste it into the training script on the
+    cluster. Two plans are equal when they choose the same (mesh shape, rules, batch
+    spec, budget, remat, offload, pipeline).
     """
 
     mesh: Mesh | AbstractMesh
@@ -80,6 +104,57 @@ class Plan:
     batch_spec: PartitionSpec
     table: list[Candidate]
     budget: int
+    remat: dict[str, str]
+    offload: tuple[str, ...]
+    pipeline: dict[str, Any] | None
+
+    def __init__(
+        self,
+        mesh: Mesh | AbstractMesh | dict[str, int],
+        rules: Any,
+        batch_spec: PartitionSpec,
+        table: list[Candidate] | None = None,
+        budget: int = 0,
+        remat: dict[str, str] | None = None,
+        offload: tuple[str, ...] = (),
+        pipeline: dict[str, Any] | None = None,
+    ):
+        if isinstance(mesh, dict):
+            mesh = mesh_for(mesh)
+        elif not isinstance(mesh, Mesh | AbstractMesh):
+            raise TypeError(
+                "`Plan` takes `mesh` as a `Mesh`, an `AbstractMesh` or a dict of axis sizes "
+                f"(`{{'data': 8}}`), but got {type(mesh).__name__}."
+            )
+        remat, offload = choices.check({} if remat is None else remat, offload, pipeline)
+        values = dict(
+            mesh=mesh,
+            rules=rules,
+            batch_spec=batch_spec,
+            table=list(table or []),
+            budget=budget,
+            remat=remat,
+            offload=offload,
+            pipeline=pipeline,
+        )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def _choice(self) -> tuple[Any, ...]:
+        return (
+            dict(self.mesh.shape),
+            repr(self.rules),
+            self.batch_spec,
+            self.budget,
+            self.remat,
+            self.offload,
+            self.pipeline,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and self._choice() == other._choice()
+
+    __hash__ = None  # type: ignore[assignment]
 
     @property
     def chosen(self) -> Candidate:
@@ -91,7 +166,8 @@ class Plan:
         shape = dict(self.mesh.shape)
         raise ValueError(
             f"`Plan.{verb}` needs the devices, but this plan is for {self.mesh.size} devices "
-            f"and this process has {jax.device_count()}. On the cluster, build the mesh "
+            f"and this process has {jax.device_count()}. On the cluster, paste `repr(plan)` "
+            "(its mesh is then built over the devices there), or build the mesh "
             f"`jax.make_mesh({tuple(shape.values())}, {tuple(shape)})` and pass it with "
             "`plan.rules` to `filter_shard` / `filter_init` (and `plan.batch_spec` for the "
             "batch)."
@@ -99,15 +175,23 @@ class Plan:
 
     def shard(self, model: Any, opt_state: Any = None, batch: Any = None) -> tuple[Any, Any, Any]:
         """`(model, opt_state, batch)` placed by the plan with `filter_shard` (`None`s are
-        returned as they are). Raises `ValueError` for a plan over an `AbstractMesh`."""
+        returned as they are), the optimiser state in pinned host memory when the plan
+        offloads it. Raises `ValueError` for a plan over an `AbstractMesh`."""
         mesh = self._concrete_mesh("shard")
         place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
-        return place(model, self.rules), place(opt_state, self.rules), place(batch, self.batch_spec)
+        if opt_state is not None:
+            opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
+        return place(model, self.rules), opt_state, place(batch, self.batch_spec)
+
+    @property
+    def _offloads_state(self) -> bool:
+        return "optimizer state" in self.offload
 
     def init(self, make_model: Callable[..., Any], optimizer: Any = None) -> Callable[..., Any]:
         """A function of `make_model`'s arguments (usually a key) returning the model, born
         sharded by `filter_init`, and with `optimizer` also its state, as
-        `(model, opt_state)`. Raises `ValueError` for a plan over an `AbstractMesh`."""
+        `(model, opt_state)` (the state moved to pinned host memory when the plan offloads
+        it). Raises `ValueError` for a plan over an `AbstractMesh`."""
         mesh = self._concrete_mesh("init")
 
         def init(*args: Any, **kwargs: Any) -> Any:
@@ -115,9 +199,89 @@ class Plan:
             if optimizer is None:
                 return model
             opt_init = lambda m: optimizer.init(eqx.filter(m, eqx.is_array))
-            return model, filter_init(opt_init, mesh, self.rules)(model)
+            state = filter_init(opt_init, mesh, self.rules)(model)
+            if self._offloads_state:
+                state = use.place_state(state, mesh, self.rules, True)
+            return model, state
 
         return init
+
+    def jit(self, step: Callable[..., Any], *, donate: bool = True) -> Any:
+        """`step` compiled with the plan's layouts: `filter_jit` over `plan.mesh`, the
+        model and the optimiser state laid out by `plan.rules` (in and out) and donated,
+        the batch by `plan.batch_spec`. Inputs in another layout are moved first (one
+        batched transfer), so the model of `plan.init` or `plan.shard` goes in as it is.
+
+        **Arguments:**
+
+        - `step`: `step(model, opt_state, batch)` returning `(model, opt_state, loss)`, or
+            `step(model, batch)` (an evaluation: nothing donated, outputs as XLA lays
+            them out).
+        - `donate`: whether the model and the optimiser state give their buffers to the
+            new ones (default `True`: a training step holds one copy of each).
+
+        **Returns:**
+
+        The compiled step, called as `step` is, with `.lower(*args)` (as `filter_jit`'s).
+
+        **Raises:**
+
+        - `TypeError`: if `step` is not callable or `donate` is not a bool; when called
+            with other than two or three arguments; and `filter_jit`'s errors.
+        - `ValueError`: for a plan over an `AbstractMesh` (more devices than this process
+            has: paste `repr(plan)` on the cluster).
+
+        !!! Example
+
+            ```python
+            import optax
+
+            optimizer = optax.adamw(1e-3)
+
+            def step(model, opt_state, x):
+                loss, grads = eqx.filter_value_and_grad(
+                    lambda m: jnp.mean((jax.vmap(m)(x) - x) ** 2)
+                )(model)
+                params = eqx.filter(model, eqx.is_array)
+                updates, opt_state = optimizer.update(grads, opt_state, params)
+                return eqx.apply_updates(model, updates), opt_state, loss
+
+            make = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
+            x = jax.ShapeDtypeStruct((32, 64), jnp.float32)
+            plan = eqxshard.auto_plan(
+                step, make(jax.random.key(0)), x, devices=4, budget="1MiB", optimizer=optimizer
+            )
+            model, opt_state = plan.init(make, optimizer)(jax.random.key(0))
+            train_step = plan.jit(step)
+            model, opt_state, loss = train_step(model, opt_state, jnp.ones((32, 64)))
+            ```
+        """
+        if not callable(step):
+            raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
+        mesh = self._concrete_mesh("jit")
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate, self._offloads_state)
+
+    def apply(self, model: Any) -> Any:
+        """`model` as the plan runs it: today its array leaves placed by `plan.rules` over
+        `plan.mesh` (as `plan.shard(model)` places them); `remat` and `pipeline` choices
+        are for the stacked layers of `eqxshard.Stacked`, which this plan's model has
+        none of, so there is nothing more to configure.
+
+        **Arguments:**
+
+        - `model`: the model, concrete.
+
+        **Returns:**
+
+        The model, placed.
+
+        **Raises:**
+
+        - `ValueError`: for a plan over an `AbstractMesh`; for a plan with `remat` or
+            `pipeline` choices (they need stacked layers); `filter_shard`'s errors.
+        """
+        mesh = self._concrete_mesh("apply")
+        return use.apply(model, mesh, self.rules, self.remat, self.pipeline)
 
     def summary(self) -> str:
         c = self.chosen
@@ -132,8 +296,9 @@ class Plan:
 
     def __repr__(self) -> str:
         return (
-            f"Plan(mesh_shape={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
-            f"batch_spec={self.batch_spec!r}, candidates={len(self.table)})"
+            f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
+            f"batch_spec={spec_str(self.batch_spec)}, budget={self.budget!r}, "
+            f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r})"
         )
 
     def _repr_html_(self) -> str:

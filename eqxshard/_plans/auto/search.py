@@ -3,67 +3,32 @@ chosen by compiling the user's own step under every candidate layout."""
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
 import jax
-import tqdm
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh
 
 from ..._tree import is_array_like
 from . import (
     arguments as args_,
-    compile_remote,
-    extrapolate,
     flops as flops_,
+    jobs,
     links as links_,
+    offload as offload_,
     rank as rank_,
+    topology,
 )
-from .cache import CACHE as _CACHE, hashable as _hashable, shapes_key as _shapes_key
-from .candidates import Layout, batch_axes, batch_spec, layouts
-from .measure import Placed, Problem, abstract, compile_here, place
-from .result import Plan
-from .view import mesh_str
+from .cache import CACHE as _CACHE, shapes_key as _shapes_key
+from .candidates import batch_spec, layouts
+from .measure import Problem, abstract
+from .meshes import mesh_for as _mesh
+from .result import Candidate, Plan
 
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
 COMPILE_LIMIT = 64
-
-
-def _mesh(shape: dict[str, int], devices: list[Any]) -> Mesh | AbstractMesh:
-    n = math.prod(shape.values())
-    types = (AxisType.Auto,) * len(shape)
-    if n <= len(devices):
-        return jax.make_mesh(
-            tuple(shape.values()), tuple(shape), axis_types=types, devices=devices[:n]
-        )
-    return AbstractMesh(tuple(shape.values()), tuple(shape), axis_types=types)
-
-
-def _resize_batch(batch: Any, size: int) -> Any:
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) if is_array_like(x) else x,
-        batch,
-        is_leaf=is_array_like,
-    )
-
-
-@dataclasses.dataclass
-class _Job:
-    """A candidate between placing and measuring: its exact parts, the mesh it is
-    compiled on and its arguments there (`small` when that mesh is a smaller one)."""
-
-    layout: Layout
-    exact: dict[str, int]
-    compile_shape: dict[str, int] | None = None
-    placed: Placed | None = None
-    small: dict[str, int] | None = None
-    key: Any = None
-    rejected: str = ""
-    where: str = ""
 
 
 def auto_plan(
@@ -76,6 +41,7 @@ def auto_plan(
     optimizer: Any = None,
     rules: Sequence[Any] = (),
     links: Any = None,
+    devices_per_node: int | None = None,
     flops_per_second: float = links_.DEFAULT_FLOPS,
     compile_limit: int = COMPILE_LIMIT,
     progress: bool | None = None,
@@ -122,7 +88,12 @@ def auto_plan(
     - `links`: the link of each mesh axis, for the time estimate: a preset name from
         `eqxshard.LINKS` (`"nvlink4"`, `"infiniband_ndr"`, `"intra_node"`, ...), an
         `eqxshard.Link(bandwidth, latency)`, or a dict `{axis: preset or Link}` (e.g.
-        `{"data": "inter_node"}`); `None` is `"intra_node"` on every axis.
+        `{"data": "inter_node"}`), where the axis `"host"` is the link to pinned host
+        memory (default `"host"`, PCIe 5). Axes not given get `"inter_node"` when they
+        cross nodes (see `devices_per_node`) and `"intra_node"` otherwise.
+    - `devices_per_node`: how many devices share a node (`None`: all of them). The mesh's
+        outer axes cross nodes, as `jax.make_mesh` orders devices: an axis crosses when
+        it and the axes after it (`data`, then `fsdp`, then `model`) span more devices.
     - `flops_per_second`: what one device computes per second (default 4e14).
     - `compile_limit`: the most devices a candidate is compiled on (default 64).
     - `progress`: show a progress bar (`None`: when standard error is a terminal).
@@ -136,11 +107,13 @@ def auto_plan(
     **Raises:**
 
     - `TypeError`: if `step` is not callable, or `devices`, `budget`, `optimizer`,
-        `flops_per_second` or `links` is of the wrong type.
+        `flops_per_second`, `links` or `devices_per_node` is of the wrong type.
     - `ValueError`: if `devices`, `budget` or `flops_per_second` is not positive (or is
-        infinite), `budget` cannot be read or found, `step` fails to trace (with the
-        error it raised), `batch` has no common leading dim; and if no candidate fits,
-        naming the smallest footprint found, what dominates it and what would help.
+        infinite), `devices_per_node` is below 1 or does not divide `devices`, `links`
+        names an unknown axis or preset, `budget` cannot be read or found, `step` fails
+        to trace (with the error it raised), `batch` has no common leading dim; and if
+        no candidate fits, naming the smallest footprint found, what dominates it and
+        what would help.
 
     !!! Example
 
@@ -172,7 +145,8 @@ def auto_plan(
         raise ValueError(
             f"`auto_plan` takes `compile_limit` as an int >= 1, but got {compile_limit!r}."
         )
-    axis_links = links_.resolve_links(links, ("data", "fsdp", "model"))
+    node = topology.check_devices_per_node(devices_per_node, n)
+    given = topology.resolve(links, ("data", "fsdp", "model"))
     model_abs = abstract(model)
     batch_abs = abstract(batch)
     size = args_.batch_size(batch_abs)
@@ -188,13 +162,14 @@ def auto_plan(
     problem_key = (step, _shapes_key(model_abs), _shapes_key(opt_abs), _shapes_key(batch_abs))
     local = len(available)
     reach = max(compile_limit, 1)
-    jobs = [
-        _place(problem, layout, size, reach, available, budget_bytes)
+    work = [
+        jobs.place(problem, layout, size, reach, available, budget_bytes)
         for layout in layouts(model_abs, n, list(rules))
     ]
-    _measure_all(problem, problem_key, jobs, local, progress)
-    candidates = [
-        rank_.candidate(
+    jobs.measure_all(problem, problem_key, work, local, progress)
+
+    def row(job: jobs.Job) -> Candidate:
+        return rank_.candidate(
             job.layout,
             job.exact,
             job.rejected,
@@ -202,11 +177,34 @@ def auto_plan(
             None if job.small is None else (job.small, job.placed),  # type: ignore[arg-type]
             job.where,
             budget_bytes,
-            axis_links,
+            topology.axis_links(job.layout.shape, given, node),
             flops_per_second / loops,
+            job.host,
         )
-        for job in jobs
-    ]
+
+    candidates = [row(job) for job in work]
+    if problem.trains and offload_.supported(available):
+        # The optimiser state in host memory, for the layouts only that would then fit,
+        # and could then be faster than the fastest that fits already.
+        best = min((c.time or 0 for c in candidates if c.fits), default=None)
+        extra = []
+        for job, c in zip(work, list(candidates), strict=True):
+            state = job.exact.get("optimizer state", 0)
+            if not offload_.could_fit(c.total_bytes, state, budget_bytes):
+                continue
+            layout = offload_.variant(job.layout)
+            links_here = topology.axis_links(job.layout.shape, given, node)
+            floor = (c.time or 0.0) + offload_.seconds(state, links_here)
+            if best is None or floor < best:
+                extra.append(jobs.place(problem, layout, size, reach, available, budget_bytes))
+                continue
+            exact = job.exact | {"optimizer state": 0}
+            why = offload_.dominated(floor, best)
+            candidates.append(
+                rank_.candidate(layout, exact, why, None, None, "", budget_bytes, {}, 1.0, state)
+            )
+        jobs.measure_all(problem, problem_key, extra, local, progress)
+        candidates += [row(job) for job in extra]
     table = rank_.rank(candidates, budget_bytes)
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)
@@ -216,88 +214,5 @@ def auto_plan(
         batch_spec=batch_spec(table[0].mesh_shape),
         table=table,
         budget=budget_bytes,
+        offload=table[0].offload,
     )
-
-
-def _place(
-    problem: Problem,
-    layout: Layout,
-    size: int,
-    reach: int,
-    available: list[Any],
-    budget: int,
-) -> _Job:
-    """Lays the candidate out on its mesh (exact bytes of the known parts), and on the
-    mesh it will be compiled on: itself, or a smaller one when it has more than `reach`
-    devices."""
-    shape = layout.shape
-    axes = batch_axes(shape)
-    ways = math.prod(shape[a] for a in axes)
-    if size % ways:
-        why = f"the batch of {size} does not split over {ways} devices ({' x '.join(axes)})"
-        return _Job(layout, {}, rejected=why)
-    try:
-        big = place(
-            problem, _mesh(shape, available), layout.rules, problem.batch, batch_spec(shape)
-        )
-    except (ValueError, TypeError) as e:
-        return _Job(layout, {}, rejected=" ".join(str(e).split())[:300])
-    exact = {"parameters": big.parameters}
-    if problem.trains:
-        exact |= {"gradients": big.gradients, "optimizer state": big.opt_state}
-    exact["batch"] = big.batch
-    known = sum(exact.values())
-    if known > budget:
-        why = f"{args_.over_budget(known, budget)} before activations"
-        return _Job(layout, exact, rejected=why)
-    if layout.devices <= reach:
-        return _Job(layout, exact, shape, big)
-    small = extrapolate.reduced_shape(shape, reach)
-    small_ways = math.prod(small[a] for a in batch_axes(small))
-    batch = _resize_batch(problem.batch, size // ways * small_ways)
-    placed = place(problem, _mesh(small, available), layout.rules, batch, batch_spec(small))
-    return _Job(layout, exact, small, placed, small=small)
-
-
-def _measure_all(
-    problem: Problem, problem_key: Any, jobs: list[_Job], local: int, progress: bool | None
-) -> None:
-    """Compiles every job not in the cache: here when this process has the devices, else
-    in one subprocess per device count."""
-    pending: dict[Any, _Job] = {}
-    for job in jobs:
-        if job.compile_shape is None or job.placed is None:
-            continue
-        user = _hashable(job.layout.rules) if job.layout.name.startswith("rules") else None
-        shape = tuple(job.compile_shape.items())
-        job.key = (
-            problem_key,
-            shape,
-            repr(job.layout.rules),
-            user,
-            _shapes_key(job.placed.args[2]),
-        )
-        count = math.prod(job.compile_shape.values())
-        job.where = (
-            "compiled here"
-            if count <= local
-            else f"compiled on {count} CPU devices in a subprocess"
-        )
-        if job.key not in _CACHE:
-            pending.setdefault(job.key, job)
-    here = [j for j in pending.values() if math.prod(j.compile_shape.values()) <= local]  # type: ignore[union-attr]
-    remote = [j for j in pending.values() if j not in here]
-    disable = None if progress is None else not progress
-    with tqdm.tqdm(total=len(pending), desc="auto_plan", disable=disable, leave=False) as bar:
-        for job in here:
-            assert job.compile_shape is not None and job.placed is not None
-            bar.set_postfix_str(f"{job.layout.name} {mesh_str(job.compile_shape)}")
-            _CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
-            bar.update()
-        if remote:
-            work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
-            for job, measured in zip(
-                remote, compile_remote.compile_all(problem, work), strict=True
-            ):  # type: ignore[arg-type]
-                _CACHE[job.key] = measured
-                bar.update()

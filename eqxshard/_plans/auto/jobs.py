@@ -1,0 +1,131 @@
+"""`auto_plan`'s candidates between choosing and ranking: each laid out on its mesh (the
+exact bytes of the parts known without compiling, or why it is rejected before any
+compile), then compiled here or in a subprocess, results cached."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import tqdm
+
+from ..._tree import is_array_like
+from . import arguments as args_, compile_remote, extrapolate
+from .cache import CACHE as _CACHE, hashable as _hashable, shapes_key as _shapes_key
+from .candidates import Layout, batch_axes, batch_spec
+from .measure import Placed, Problem, compile_here, place as place_
+from .meshes import mesh_for as _mesh
+from .view import mesh_str
+
+
+def _resize_batch(batch: Any, size: int) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype) if is_array_like(x) else x,
+        batch,
+        is_leaf=is_array_like,
+    )
+
+
+@dataclasses.dataclass
+class Job:
+    """A candidate between placing and measuring: its exact parts, the mesh it is
+    compiled on and its arguments there (`small` when that mesh is a smaller one)."""
+
+    layout: Layout
+    exact: dict[str, int]
+    compile_shape: dict[str, int] | None = None
+    placed: Placed | None = None
+    small: dict[str, int] | None = None
+    key: Any = None
+    rejected: str = ""
+    where: str = ""
+    host: int = 0  # bytes per device of the optimiser state in host memory (offload)
+
+
+def place(
+    problem: Problem,
+    layout: Layout,
+    size: int,
+    reach: int,
+    available: list[Any],
+    budget: int,
+) -> Job:
+    """Lays the candidate out on its mesh (exact bytes of the known parts), and on the
+    mesh it will be compiled on: itself, or a smaller one when it has more than `reach`
+    devices."""
+    shape = layout.shape
+    axes = batch_axes(shape)
+    ways = math.prod(shape[a] for a in axes)
+    if size % ways:
+        why = f"the batch of {size} does not split over {ways} devices ({' x '.join(axes)})"
+        return Job(layout, {}, rejected=why)
+    try:
+        mesh = _mesh(shape, available)
+        big = place_(problem, mesh, layout.rules, problem.batch, batch_spec(shape), layout.offload)
+    except (ValueError, TypeError) as e:
+        return Job(layout, {}, rejected=" ".join(str(e).split())[:300])
+    exact = {"parameters": big.parameters}
+    host = big.opt_state if layout.offload else 0
+    if problem.trains:
+        exact |= {"gradients": big.gradients, "optimizer state": big.opt_state - host}
+    exact["batch"] = big.batch
+    known = sum(exact.values())
+    if known > budget:
+        why = f"{args_.over_budget(known, budget)} before activations"
+        return Job(layout, exact, rejected=why, host=host)
+    if layout.devices <= reach:
+        return Job(layout, exact, shape, big, host=host)
+    small = extrapolate.reduced_shape(shape, reach)
+    small_ways = math.prod(small[a] for a in batch_axes(small))
+    batch = _resize_batch(problem.batch, size // ways * small_ways)
+    placed = place_(
+        problem, _mesh(small, available), layout.rules, batch, batch_spec(small), layout.offload
+    )
+    return Job(layout, exact, small, placed, small=small, host=host)
+
+
+def measure_all(
+    problem: Problem, problem_key: Any, jobs: list[Job], local: int, progress: bool | None
+) -> None:
+    """Compiles every job not in the cache: here when this process has the devices, else
+    in one subprocess per device count."""
+    pending: dict[Any, Job] = {}
+    for job in jobs:
+        if job.compile_shape is None or job.placed is None:
+            continue
+        user = _hashable(job.layout.rules) if job.layout.name.startswith("rules") else None
+        shape = tuple(job.compile_shape.items())
+        job.key = (
+            problem_key,
+            shape,
+            repr(job.layout.rules),
+            user,
+            job.layout.offload,
+            _shapes_key(job.placed.args[2]),
+        )
+        count = math.prod(job.compile_shape.values())
+        job.where = (
+            "compiled here"
+            if count <= local
+            else f"compiled on {count} CPU devices in a subprocess"
+        )
+        if job.key not in _CACHE:
+            pending.setdefault(job.key, job)
+    here = [j for j in pending.values() if math.prod(j.compile_shape.values()) <= local]  # type: ignore[union-attr]
+    remote = [j for j in pending.values() if j not in here]
+    disable = None if progress is None else not progress
+    with tqdm.tqdm(total=len(pending), desc="auto_plan", disable=disable, leave=False) as bar:
+        for job in here:
+            assert job.compile_shape is not None and job.placed is not None
+            bar.set_postfix_str(f"{job.layout.name} {mesh_str(job.compile_shape)}")
+            _CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
+            bar.update()
+        if remote:
+            work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
+            for job, measured in zip(
+                remote, compile_remote.compile_all(problem, work), strict=True
+            ):  # type: ignore[arg-type]
+                _CACHE[job.key] = measured
+                bar.update()

@@ -1,0 +1,122 @@
+"""Using a `Plan` in one line: its step compiled with the plan's layouts (`Plan.jit`), and a
+model laid out (and, as pipelines and stacked layers come, configured) as the plan chose
+(`Plan.apply`)."""
+
+from __future__ import annotations
+
+import functools as ft
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from ..._placement.put import filter_put
+from ..._placement.shard import filter_shard
+from ..._step.jit import filter_jit
+from ..plan import filter_plan
+from .measure import HOST
+
+
+def host_layout(opt_state: Any, mesh: Any, rules: Any) -> Any:
+    """The shardings of `opt_state` laid out by `rules`, in pinned host memory."""
+    return jax.tree.map(lambda s: s.with_memory_kind(HOST), filter_plan(opt_state, mesh, rules))
+
+
+def place_state(opt_state: Any, mesh: Any, rules: Any, offload: bool) -> Any:
+    """`opt_state` laid out by `rules`, in pinned host memory when `offload`."""
+    placed = filter_shard(opt_state, mesh, rules)
+    return filter_put(placed, memory_kind=HOST) if offload else placed
+
+
+class PlanStep:
+    """A step compiled by `Plan.jit`: `step(model, opt_state, batch)` (a training step)
+    or `step(model, batch)` (an evaluation), each through its own `filter_jit`. With the
+    optimiser state offloaded, the training step takes and returns it in pinned host
+    memory and moves it to the device for the update inside the step."""
+
+    def __init__(
+        self,
+        step: Callable[..., Any],
+        mesh: Any,
+        rules: Any,
+        batch_spec: Any,
+        donate: bool,
+        offload: bool,
+    ):
+        self._step, self._mesh, self._rules, self._batch_spec = step, mesh, rules, batch_spec
+        self._donate = (True, True, False) if donate else "none"
+        self._offload = offload
+        self._train = filter_jit(
+            step,
+            in_shardings=(rules, rules, batch_spec),
+            out_shardings=(rules, rules, None),
+            donate=self._donate,
+            mesh=mesh,
+        )
+        self._offloaded: dict[Any, Any] = {}  # per structure of the optimiser state
+        self._evaluate = filter_jit(step, in_shardings=(rules, batch_spec), mesh=mesh)
+        ft.update_wrapper(self, step)
+
+    def _moved(self, model: Any, opt_state: Any, batch: Any) -> Any:
+        opt_state = filter_put(opt_state, memory_kind="device")
+        model, opt_state, loss = self._step(model, opt_state, batch)
+        return model, filter_put(opt_state, memory_kind=HOST), loss
+
+    def _train_offloaded(self, args: tuple, kwargs: dict) -> Any:
+        if len(args) < 2:
+            raise TypeError(
+                "A step compiled by `Plan.jit` with the optimiser state offloaded takes "
+                "`model` and `opt_state` as positional arguments."
+            )
+        key = jax.tree.structure(args[1])
+        if key not in self._offloaded:
+            host = host_layout(args[1], self._mesh, self._rules)
+            self._offloaded[key] = filter_jit(
+                self._moved,
+                in_shardings=(self._rules, host, self._batch_spec),
+                out_shardings=(self._rules, host, None),
+                donate=self._donate,
+                mesh=self._mesh,
+            )
+        return self._offloaded[key]
+
+    def _pick(self, args: tuple, kwargs: dict) -> Any:
+        count = len(args) + len(kwargs)
+        if count == 3:
+            return self._train_offloaded(args, kwargs) if self._offload else self._train
+        if count == 2:
+            return self._evaluate
+        name = getattr(self._step, "__name__", "step")
+        raise TypeError(
+            f"A step compiled by `Plan.jit` takes `(model, opt_state, batch)` (training) or "
+            f"`(model, batch)` (evaluation), but `{name}` was called with {count} arguments."
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._pick(args, kwargs)(*args, **kwargs)
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """As `filter_jit`'s `lower`: `.compile().memory_analysis()` gives the bytes per
+        device of the step as it runs."""
+        return self._pick(args, kwargs).lower(*args, **kwargs)
+
+
+def jit(
+    step: Callable[..., Any], mesh: Any, rules: Any, batch_spec: Any, donate: bool, offload: bool
+) -> PlanStep:
+    """`Plan.jit`, given the plan's concrete mesh, rules, batch spec and offload choice."""
+    if not isinstance(donate, bool):
+        raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
+    return PlanStep(step, mesh, rules, batch_spec, donate, offload)
+
+
+def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str], pipeline: Any) -> Any:
+    """`Plan.apply`, given the plan's concrete mesh, rules and choices."""
+    if remat or pipeline is not None:
+        raise ValueError(
+            f"`Plan.apply` got a plan with remat={remat!r}, pipeline={pipeline!r}: "
+            "these configure stacked layers (`eqxshard.Stacked`), which this version of "
+            "eqxshard does not have. Build the plan without them (`remat={}`, "
+            "`pipeline=None`)."
+        )
+    return filter_shard(model, mesh, rules)
