@@ -32,6 +32,7 @@ from .arrays import (
     traced_memory_space as traced_memory_space,
     traced_sharding as traced_sharding,
     tracing as tracing,
+    vmap_batching as vmap_batching,
     with_sharding as with_sharding,
 )
 from .compile import compile_stablehlo as compile_stablehlo

@@ -212,6 +212,37 @@ def batched_leaves(leaves: list[Any]) -> tuple[list[Any], tuple[int | None, ...]
     return [v for v, _ in found], tuple(d for _, d in found)
 
 
+def vmap_batching(leaves: list[Any]) -> str:
+    """How an enclosing `jax.vmap` batches `leaves`, as a `custom_vmap` rule would see it.
+
+    `"innermost"`: some leaf is a batching tracer of the transformation running now, so a
+    `jax.custom_batching.custom_vmap` function called on it gets its rule called with the
+    whole batch. `"beneath"`: some leaf carries a `vmap`'s batch only beneath another
+    transformation that runs first (`jax.grad` inside `jax.vmap`), where a `custom_vmap`
+    function cannot be differentiated. `"none"`: no leaf is batched.
+
+    Reads JAX's current trace and its tracers' `_trace`, `val`, `batch_dim` and `primal`:
+    private, so anything unexpected reads as not batched.
+    """
+    from jax._src import core  # private: the trace running now
+
+    current = getattr(getattr(core, "trace_ctx", None), "trace", None)
+    state = "none"
+    for x in leaves:
+        for _ in range(32):  # the nesting depth of transformations; a bound, not a limit
+            if not is_tracer(x):
+                break
+            dim = getattr(x, "batch_dim", None)
+            if isinstance(dim, int) and not isinstance(dim, bool):
+                if current is not None and getattr(x, "_trace", None) is current:
+                    return "innermost"
+                state = "beneath"
+                x = getattr(x, "val", None)
+            else:
+                x = getattr(x, "primal", None)
+    return state
+
+
 def to_varying(x: Any, axis: str) -> Any:
     """`x` marked as varying over the manual mesh axis `axis` inside `shard_map`, so that it
     can start a `scan` carry that collectives make varying: `jax.lax.pcast(x, (axis,),

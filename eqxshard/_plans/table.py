@@ -10,6 +10,7 @@ from jax.sharding import Sharding
 
 from .._tree import device_name, format_bytes, shape_str
 from . import describe_view
+from .by_stage import StageRow, by_stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +69,16 @@ class ShardingTable:
     def max_bytes_per_device(self) -> int:
         """The bytes on the fullest device (0 if nothing is placed)."""
         return max(self.bytes_per_device.values(), default=0)
+
+    def by_stage(self, axis: str = "stage") -> list[StageRow]:
+        """Each pipeline stage along the mesh axis `axis`: the layers it holds and the
+        bytes on its fullest device (a `StageRow` each; `print` one for a line).
+
+        **Raises:**
+
+        - `ValueError`: if no leaf has its leading (layer) dim split over `axis`.
+        """
+        return by_stage(self, axis)
 
     def _columns(self) -> tuple[list[str], list[list[str]]]:
         header = ["path", "shape", "dtype", "spec", "per device", "total"]

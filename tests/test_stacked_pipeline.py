@@ -1,0 +1,131 @@
+"""A pipelined `Stacked` (`axis` set, the mesh has it) against the plain scan of the same
+blocks: called per example inside `jax.vmap`/`eqx.filter_vmap` (the batching rule hands the
+pipeline the whole batch) and called on a batch, values and gradients, GPipe and circular,
+with the mesh given or set by `jax.set_mesh`, and the collective permutes in its program."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import make_mesh
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eqxshard
+from eqxshard import Stacked
+
+D = 8
+
+
+class Block(eqx.Module):
+    """A residual MLP block; works on one example `(T, D)` or a batch `(B, T, D)`."""
+
+    w1: jax.Array
+    w2: jax.Array
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.w1 = jax.random.normal(k1, (D, 2 * D)) / np.sqrt(D)
+        self.w2 = jax.random.normal(k2, (2 * D, D)) / np.sqrt(2 * D)
+
+    def __call__(self, h):
+        return h + jax.nn.gelu(h @ self.w1) @ self.w2
+
+
+class Model(eqx.Module):
+    """Written per example, as Equinox models are: `(T,)` token ids to `(T, D)` outputs."""
+
+    embed: jax.Array
+    blocks: Stacked
+
+    def __init__(self, key, n=8, **pipeline):
+        k1, k2 = jax.random.split(key)
+        self.embed = jax.random.normal(k1, (16, D))
+        self.blocks = Stacked(eqx.filter_vmap(Block)(jax.random.split(k2, n)), **pipeline)
+
+    def __call__(self, tokens):
+        h = self.embed[tokens]  # (T, D): one example
+        return self.blocks(h)
+
+
+def close(a, b, tol=2e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        scale = max(1.0, float(np.abs(np.asarray(y)).max()))
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol * scale)
+
+
+def loss(model, tokens):
+    return jnp.mean(eqx.filter_vmap(model)(tokens) ** 2)
+
+
+def pipelined(model, **pipeline):
+    return eqx.tree_at(lambda m: m.blocks, model, Stacked(model.blocks.blocks, **pipeline))
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+@pytest.mark.parametrize("ambient", [False, True])
+def test_a_vmapped_model_pipelines_with_the_plain_scan_s_values_and_gradients(repeats, ambient):
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    plain = Model(jax.random.key(0))
+    options = dict(axis="stage", microbatches=4, repeats=repeats)
+    model = pipelined(plain, **options, **({} if ambient else {"mesh": mesh}))
+    tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
+    value_ref, grads_ref = step(plain, tokens)
+    if ambient:
+        with jax.set_mesh(mesh):
+            value, grads = step(model, tokens)
+    else:
+        value, grads = step(model, tokens)
+    close(value, value_ref)
+    close(grads, grads_ref)
+
+
+def test_the_vmapped_pipeline_is_the_pipeline_in_the_program():
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    plain = Model(jax.random.key(0))
+    model = pipelined(plain, axis="stage", microbatches=4, mesh=mesh)
+    tokens = jnp.zeros((8, 4), jnp.int32)
+    text = jax.jit(loss).lower(model, tokens).as_text()
+    assert "collective_permute" in text
+    assert "collective_permute" not in jax.jit(loss).lower(plain, tokens).as_text()
+
+
+def test_called_on_a_batch_with_the_batch_split_over_data():
+    # Auto axes: under Explicit ones, JAX asks the plain scan's weight gradients (a matmul
+    # contracting the batch split over "data") for an `out_sharding`.
+    mesh = make_mesh("auto", (4, 2), ("stage", "data"))
+    blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 8))
+    plain = Stacked(blocks, remat="full")
+    piped = Stacked(blocks, remat="full", axis="stage", microbatches=4, mesh=mesh)
+    x = jax.random.normal(jax.random.key(1), (16, 3, D))  # (batch, T, D)
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+
+    def batch_loss(stack, x):
+        return jnp.mean(stack(x) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(batch_loss, argnums=(0, 1)))
+    close(grad(piped, x), grad(plain, x))
+    close(piped(x), plain(x))  # eagerly
+
+
+def test_the_pipeline_s_errors_reach_the_caller():
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    model = pipelined(Model(jax.random.key(0), n=6), axis="stage", microbatches=4, mesh=mesh)
+    with pytest.raises(ValueError, match=r"divisible"):
+        loss(model, jnp.zeros((8, 4), jnp.int32))  # 6 layers over 4 stages
+    model = pipelined(Model(jax.random.key(0)), axis="stage", microbatches=4, mesh=mesh)
+    with pytest.raises(ValueError, match=r"microbatches"):
+        loss(model, jnp.zeros((6, 4), jnp.int32))  # a batch of 6 in 4 microbatches
+
+
+def test_stages_rule_lays_out_a_stacked_model():
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    model = pipelined(Model(jax.random.key(0)), axis="stage", microbatches=4, mesh=mesh)
+    spec = eqxshard.first(eqxshard.stages("stage", path=r"blocks\.blocks\..*"), P())
+    placed = eqxshard.filter_shard(model, mesh, spec)
+    assert placed.blocks.blocks.w1.sharding.spec[0] == "stage"
+    tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
+    close(loss(placed, tokens), loss(Model(jax.random.key(0)), tokens))
