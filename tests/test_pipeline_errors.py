@@ -124,5 +124,12 @@ def test_unknown_remat_policy(mesh):
 
 def test_offload_without_host_memory(mesh, monkeypatch):
     monkeypatch.setattr(remat_module, "memory_kinds", lambda device: {"device"})
+    monkeypatch.setattr(remat_module._compat, "memory_kinds_in_jit", lambda: True)
     with pytest.raises(ValueError, match=r"remat='offload'.* only the memories \['device'\]"):
+        _run(mesh, remat="offload")
+
+
+def test_offload_where_jax_cannot_move_memory_kinds_in_jit(mesh, monkeypatch):
+    monkeypatch.setattr(remat_module._compat, "memory_kinds_in_jit", lambda: False)
+    with pytest.raises(ValueError, match=r"remat='offload'.* jax 0.8 and newer can"):
         _run(mesh, remat="offload")

@@ -37,7 +37,10 @@ JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
 # An `eqx.nn.Embedding` lookup of a row-split batch on Explicit axes: JAX asks for the
 # gather's `out_sharding=` (jax 0.10.2), or, in a model, fails on the lookup's dynamic slice
 # with a mesh it does not find (jax 0.12, and 0.7.2, which names the spec in full).
-LOOKUP = r"out_sharding=\).*gather indexing|Resource axis: data of (?:P|PartitionSpec)\('data'.* is not found in mesh"
+LOOKUP = (
+    r"out_sharding=\).*gather indexing"
+    r"|Resource axis: data of (?:P|PartitionSpec)\('data'.* is not found in mesh"
+)
 # What a step raises on Explicit axes, by model and layout (data parallel: weights
 # replicated; fsdp: weights split), measured on jax 0.10.2 and 0.12; `None`: it trains.
 EXPLICIT = {

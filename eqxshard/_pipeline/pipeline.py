@@ -144,7 +144,12 @@ def filter_pipeline(
         - `None` or `"none"`: everything (the most memory, no recomputation);
         - `"dots"`: the outputs of matmuls without batch dims; the rest is recomputed;
         - `"full"`: nothing; the whole layer is recomputed;
-        - `"offload"`: matmul outputs moved to host memory (`pinned_host`) and back.
+        - `"offload"`: matmul outputs moved to host memory (`pinned_host`) and back
+            (jax 0.8 or newer on CPU devices).
+
+    On jax 0.7, a derivative with respect to `blocks` alone of a pipeline whose output has a
+    part that does not depend on `blocks` fails inside JAX (`psum_invariant`'s transpose);
+    differentiate with respect to `x` too, or use jax 0.8 or newer.
 
     **Returns:**
 

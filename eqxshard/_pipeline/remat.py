@@ -9,6 +9,8 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from .. import _compat
+
 POLICIES = ("none", "dots", "full", "offload")
 
 
@@ -28,6 +30,14 @@ def check_remat(verb: str, remat: Any, mesh: Mesh | AbstractMesh) -> str:
             f"`None`, but got {remat!r}. 'none' keeps every activation, 'dots' keeps the "
             "matmul outputs and recomputes the rest, 'full' recomputes everything, "
             "'offload' moves the matmul outputs to host memory."
+        )
+    if remat == "offload" and mesh.size > 1 and not _compat.memory_kinds_in_jit():
+        raise ValueError(
+            f"`{verb}(remat='offload')` moves residuals to host memory inside `jit`, which "
+            f"jax {jax.__version__} cannot do in a program split over {jax.default_backend()} "
+            "devices (XLA refuses the placement; jax 0.8 and newer can). Upgrade JAX, or "
+            "use remat='dots' (keep matmul outputs on the device) or remat='full' "
+            "(recompute them)."
         )
     if remat == "offload" and isinstance(mesh, Mesh):
         device = mesh.devices.flat[0]
