@@ -175,7 +175,8 @@ def filter_pipeline(
         import jax.numpy as jnp
         import eqxshard
 
-        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "stage"))
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "stage"), axis_types=auto)
         n = 2 * mesh.shape["stage"]  # layers
         make = lambda key: eqx.nn.Linear(16, 16, key=key)
         blocks = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), n))

@@ -52,7 +52,8 @@ def filter_get(tree: T) -> T:
         import jax.numpy as jnp
         import eqxshard
 
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         x = eqxshard.filter_shard({"x": jnp.arange(8.0), "name": "x"}, mesh)
         host = eqxshard.filter_get(x)  # {"x": numpy array, "name": "x"}
         ```

@@ -127,7 +127,8 @@ def filter_shard(
         from jax.sharding import PartitionSpec as P
         import eqxshard
 
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         model = eqx.nn.MLP(4, 4, 8, 2, key=jax.random.key(0))
         model = eqxshard.filter_shard(model, mesh)  # replicated
         x = eqxshard.filter_shard(jnp.ones((8 * jax.device_count(), 4)), mesh, P("data"))
@@ -213,7 +214,8 @@ def filter_replicate(tree: T, mesh: Mesh | None = None) -> T:
         import jax
         import eqxshard
 
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         model = eqxshard.filter_replicate(eqx.nn.Linear(3, 3, key=jax.random.key(0)), mesh)
         ```
     """

@@ -109,7 +109,8 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         make_model = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
         abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
         print(eqxshard.describe(abstract, mesh, eqxshard.fsdp("data")))

@@ -243,7 +243,8 @@ def like(params: Any, plan: Any = None, *, min_size: int = 2**14) -> Like:
         ```python
         import optax
 
-        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         make = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
         model = eqxshard.filter_init(make, mesh, eqxshard.fsdp("data"))(jax.random.key(0))
         optimiser = optax.adam(1e-3)

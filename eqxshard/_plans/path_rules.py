@@ -91,7 +91,8 @@ def path_rules(
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"), axis_types=auto)
         model = eqx.nn.MultiheadAttention(4, 16, key=jax.random.key(0))
         rules = eqxshard.path_rules([
             (r"(query|key|value)_proj\\.weight", P("model", None)),

@@ -234,7 +234,8 @@ def first(*rules: Any) -> First:
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"))
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "model"), axis_types=auto)
         k1, k2 = jax.random.split(jax.random.key(0))
         model = eqx.nn.Sequential([eqx.nn.Embedding(64, 16, key=k1), eqx.nn.Linear(16, 64, key=k2)])
         # The embedding split over "model", everything else fully sharded over "data":

@@ -104,7 +104,8 @@ def stages(
     !!! Example
 
         ```python
-        mesh = jax.make_mesh((2, jax.device_count() // 2), ("model", "stage"))
+        auto = (jax.sharding.AxisType.Auto,) * 2
+        mesh = jax.make_mesh((2, jax.device_count() // 2), ("model", "stage"), axis_types=auto)
         n = 2 * mesh.shape["stage"]
         blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(
             jax.random.split(jax.random.key(0), n)
