@@ -8,23 +8,13 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from .. import _compat
+from .._shard_map.axes import given_mesh
 from .._tree import Flat, leaf_error, pathstr, shape_str
 
 
 def get_mesh(verb: str, mesh: Any, axis: Any) -> Mesh | AbstractMesh:
     """`mesh` (or the ambient one), checked to have the stage axis `axis`."""
-    if mesh is None:
-        mesh = _compat.ambient_mesh()
-        if mesh is None:
-            raise ValueError(
-                f"`{verb}` was called without a `mesh` and no mesh is set. Pass "
-                f"`{verb}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
-            )
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"`{verb}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
-            f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
-        )
+    mesh = given_mesh(verb, mesh)
     if not isinstance(axis, str) or axis not in mesh.axis_names:
         raise ValueError(
             f"`{verb}(axis=...)` must name the mesh axis the stages are laid out over, but "

@@ -12,20 +12,27 @@ from .. import _compat
 _VERB = "filter_shard_map"
 
 
-def get_mesh(mesh: Any) -> Mesh | AbstractMesh:
-    """`mesh`, or the ambient mesh; inside an outer `shard_map`, the mesh JAX has in context."""
+def given_mesh(verb: str, mesh: Any) -> Mesh | AbstractMesh:
+    """`mesh`, or the ambient mesh when it is `None`, checked to be a mesh (for `verb`'s
+    errors)."""
     if mesh is None:
         mesh = _compat.ambient_mesh()
         if mesh is None:
             raise ValueError(
-                f"`{_VERB}` was called without a `mesh` and no mesh is set. Pass "
-                f"`{_VERB}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
+                f"`{verb}` was called without a `mesh` and no mesh is set. Pass "
+                f"`{verb}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
             )
     if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise TypeError(
-            f"`{_VERB}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
+            f"`{verb}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
             f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
         )
+    return mesh
+
+
+def get_mesh(mesh: Any) -> Mesh | AbstractMesh:
+    """`mesh`, or the ambient mesh; inside an outer `shard_map`, the mesh JAX has in context."""
+    mesh = given_mesh(_VERB, mesh)
     context = _compat.context_abstract_mesh()
     if (
         context is not None
