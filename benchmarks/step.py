@@ -10,7 +10,7 @@ donated `x` is never used twice), and every call is waited on (`block_until_read
 `eqx.filter_jit` and `filter_jit` do themselves to raise `eqx.error_if` errors there).
 
 The ways, each timed in this one run (interleaved: each repeat runs every way in turn, so
-drift hits all alike; a sample is as many calls back to back as fill 5 ms, as `timeit`
+drift hits all alike; a sample is as many calls back to back as fill 50 ms, as `timeit`
 picks its loop count; medians):
 
 - `jax.jit(f)(leaves, x)`: the step on the model's leaves flattened once before the loop
@@ -54,7 +54,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
 
-MIN_SAMPLE_S = 0.005
+MIN_SAMPLE_S = 0.05
 EQX_TARGET = 1.0  # filter_jit per call, against eqx.filter_jit
 LOOP_TARGET = 1.3  # StepLoop per call, against jax.jit on flat leaves (480 leaves)
 
@@ -179,7 +179,7 @@ def main() -> None:
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs at the start."
     )
     for n_mlps in sizes:
-        repeats = 2 if args.quick else max(3, args.repeats // (1 if n_mlps <= 48 else 2))
+        repeats = 2 if args.quick else args.repeats
         print()
         print(
             f"{n_mlps} x eqx.nn.MLP(64, 64, 64, 4) = {n_mlps * 10} array leaves; medians of "
