@@ -80,7 +80,16 @@ def test_a_vmapped_model_pipelines_with_the_plain_scan_s_values_and_gradients(re
     else:
         value, grads = step(model, tokens)
     close(value, value_ref)
-    close(grads, grads_ref)
+    close(in_layer_order(grads, model), grads_ref)
+
+
+def in_layer_order(grads, model):
+    """A model's gradients with its stack's read in layer order (a circular `Stacked` built
+    with its mesh stores its layers, and so their gradients, stage-major)."""
+    grads = jax.device_get(grads)  # on the host: slices of arrays split over Explicit axes
+    stack = eqx.tree_at(lambda s: s.blocks, model.blocks, grads.blocks.blocks)
+    layers = Stacked.from_layers(stack.to_layers()).blocks
+    return eqx.tree_at(lambda m: m.blocks.blocks, grads, layers)
 
 
 def test_the_vmapped_pipeline_is_the_pipeline_in_the_program():
@@ -129,3 +138,72 @@ def test_stages_rule_lays_out_a_stacked_model():
     assert placed.blocks.blocks.w1.sharding.spec[0] == "stage"
     tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
     close(loss(placed, tokens), loss(Model(jax.random.key(0)), tokens))
+
+
+def _ops(text, name):
+    return [line for line in text.splitlines() if f" {name}(" in line or f" {name}-start(" in line]
+
+
+@pytest.mark.parametrize("ambient", [False, True])
+def test_a_circular_stack_is_stored_stage_major_and_moves_no_weights(ambient):
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16))
+    options = dict(axis="stage", microbatches=4, repeats=2)
+    if ambient:
+        with jax.set_mesh(mesh):
+            stack = Stacked(blocks, **options)
+    else:
+        stack = Stacked(blocks, **options, mesh=mesh)
+    assert stack.stages == 4
+    # Stage 0 holds chunks 0 and 4 (of two layers each): layers 0, 1, 8, 9.
+    np.testing.assert_array_equal(stack.blocks.w1[2:4], blocks.w1[8:10])
+    close(jax.tree.leaves(stack.to_layers()), jax.tree.leaves(Stacked(blocks).to_layers()))
+    stack = eqxshard.filter_shard(stack, mesh, eqxshard.stages("stage", path=r"blocks\..*"))
+    plain = Stacked(blocks)
+    x = jax.random.normal(jax.random.key(1), (8, 3, D))
+
+    def batch_loss(stack, x):
+        return jnp.mean(jax.vmap(stack)(x) ** 2)
+
+    grad = jax.jit(jax.value_and_grad(batch_loss))
+    with jax.set_mesh(mesh):
+        value, grads = grad(stack, x)
+        text = grad.lower(stack, x).compile().as_text()
+    value_ref, grads_ref = grad(plain, x)
+    close(value, value_ref)
+    # The gradients are stored stage-major too: read in layer order they are the scan's.
+    layers = eqx.tree_at(lambda s: s.blocks, stack, grads.blocks).to_layers()
+    close(jax.tree.leaves(layers), jax.tree.leaves(Stacked(grads_ref.blocks).to_layers()))
+    assert not _ops(text, "all-to-all"), _ops(text, "all-to-all")
+    assert not [g for g in _ops(text, "all-gather") if "f32[16," in g]
+    assert _ops(text, "collective-permute")
+    # Without the stage axis it is the plain scan, in layer order.
+    close(jax.vmap(stack)(x), jax.vmap(plain)(x))
+
+
+def test_a_stage_major_stack_on_another_stage_count_is_refused():
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    options = dict(axis="stage", microbatches=4, repeats=2)
+    with jax.set_mesh(mesh):  # built for 4 stages, called on a mesh of 2
+        stack = Stacked(eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16)), **options)
+    with jax.set_mesh(jax.make_mesh((2, 4), ("stage", "data"))):
+        with pytest.raises(ValueError, match=r"stage-major for 4 stages.*has 2 along 'stage'"):
+            jax.vmap(stack)(jnp.zeros((8, 3, D)))
+    options["mesh"] = mesh
+    twelve = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 12))
+    with pytest.raises(ValueError, match=r"cannot store 12 layers stage-major in 4 stages"):
+        Stacked(twelve, **options)
+
+
+def test_a_stage_major_stack_restores_from_its_checkpoint(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    options = dict(axis="stage", microbatches=4, repeats=2, mesh=mesh)
+    saved = Model(jax.random.key(0), n=16, **options)
+    rules = eqxshard.first(eqxshard.stages("stage", path=r"blocks\.blocks\..*"), P())
+    eqxshard.filter_save(str(tmp_path), 0, eqxshard.filter_shard(saved, mesh, rules))
+    like = eqx.filter_eval_shape(lambda k: Model(k, n=16, **options), jax.random.key(1))
+    restored = eqxshard.filter_restore(str(tmp_path), like, mesh, rules)
+    assert restored.blocks.stages == 4
+    tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
+    close(loss(restored, tokens), loss(Model(jax.random.key(0), n=16), tokens))

@@ -219,10 +219,13 @@ def vmap_batching(leaves: list[Any]) -> str:
     `jax.custom_batching.custom_vmap` function called on it gets its rule called with the
     whole batch. `"beneath"`: some leaf carries a `vmap`'s batch only beneath another
     transformation that runs first (`jax.grad` inside `jax.vmap`), where a `custom_vmap`
-    function cannot be differentiated. `"none"`: no leaf is batched.
+    function cannot be differentiated. `"staged"`: no leaf is batched, but the function is
+    being traced on its own (by `jax.jit`, `jax.checkpoint`, a `lax.scan` body, ...) inside
+    a `vmap`, which batches the traced program afterwards: the leaves are one example
+    of a batch nobody here can see. `"none"`: no leaf is batched, and no `vmap` waits.
 
-    Reads JAX's current trace and its tracers' `_trace`, `val`, `batch_dim` and `primal`:
-    private, so anything unexpected reads as not batched.
+    Reads JAX's current trace, its chain of `parent_trace`s, and its tracers' `_trace`,
+    `val`, `batch_dim` and `primal`: private, so anything unexpected reads as not batched.
     """
     from jax._src import core  # private: the trace running now
 
@@ -240,6 +243,16 @@ def vmap_batching(leaves: list[Any]) -> str:
                 x = getattr(x, "val", None)
             else:
                 x = getattr(x, "primal", None)
+    if state == "none":
+        trace, staged = current, False
+        for _ in range(64):  # the nesting depth of traces; a bound, not a limit
+            if trace is None:
+                break
+            if hasattr(trace, "frame"):  # a trace that builds a jaxpr to run later
+                staged = True
+            elif staged and hasattr(trace, "axis_data"):  # a `vmap`'s trace above it
+                return "staged"
+            trace = getattr(trace, "parent_trace", None)
     return state
 
 

@@ -5,8 +5,8 @@ Owns `filter_pipeline` (`pipeline`), its per-stage program (`schedule`: the GPip
 circular loops, and regrouping a contiguously split stack into the chunks each stage
 runs), the layer and stage-major orders a stack is stored in (`order`), its argument
 checks (`checks`), the per-layer `remat` policies (`remat`) shared by everything here,
-`Stacked` (`stacked`: a module holding a stack of blocks, run by one `jax.lax.scan` or
-the pipeline; `convert`: stacking a list of blocks) and the batching rule that lets a
+`Stacked` (`stacked`: a module holding a stack of blocks, run by the plain scan of `scan`
+or the pipeline; `convert`: stacking a list of blocks) and the batching rule that lets a
 pipelined stack see the whole batch under `jax.vmap` (`batching`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,

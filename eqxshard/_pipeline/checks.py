@@ -144,3 +144,31 @@ def check_layer(verb: str, layer: Any) -> None:
             f"`{verb}` needs `layer` to be a callable `layer(block, h) -> h`, but got "
             f"{type(layer).__name__}."
         )
+
+
+def check_stacked(axis: Any, microbatches: Any, repeats: Any, mesh: Any) -> None:
+    """`Stacked`'s pipeline configuration: all or nothing, of the right types."""
+    if axis is None:
+        given = [n for n, v in (("microbatches", microbatches), ("mesh", mesh)) if v is not None]
+        if given or repeats != 1:
+            names = ", ".join(f"`{n}`" for n in given + (["repeats"] if repeats != 1 else []))
+            raise ValueError(
+                f"`Stacked` got {names} without `axis`; they configure the pipeline, which "
+                'runs only over a mesh axis. Pass `axis="stage"` (the mesh axis to pipeline '
+                "over) as well, or leave them out for the plain scan."
+            )
+        return
+    if not isinstance(axis, str):
+        raise TypeError(f"`Stacked` got `axis={axis!r}`; expected a mesh axis name (a str).")
+    for name, value in (("microbatches", microbatches), ("repeats", repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise TypeError(
+                f"`Stacked` got `{name}={value!r}` with `axis={axis!r}`; expected a "
+                f"positive int. A pipeline cuts each batch into `microbatches` pieces "
+                f"(at least the number of stages keeps the bubble small)."
+            )
+    if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
+        raise TypeError(
+            f"`Stacked` got `mesh` of type {type(mesh).__name__}; expected a "
+            "`jax.sharding.Mesh` (or `None`, for the mesh set by `jax.set_mesh`)."
+        )

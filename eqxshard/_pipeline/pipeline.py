@@ -15,7 +15,7 @@ from .._placement.shard import filter_shard
 from .._shard_map.shard_map import filter_shard_map
 from . import checks
 from .remat import check_remat, with_remat
-from .schedule import run_stages, to_stage_major
+from .schedule import regroup, run_stages
 
 _VERB = "filter_pipeline"
 
@@ -73,7 +73,7 @@ def run_pipeline(
 
     def per_stage(local: Any, xs: Any) -> Any:
         if not stage_major:
-            local = to_stage_major(local, axis, stages, repeats)
+            local = regroup(local, axis, stages, repeats)
         return run_stages(
             step, local, xs, axis=axis, stages=stages, microbatches=microbatches, repeats=repeats
         )
@@ -116,8 +116,9 @@ def filter_pipeline(
     the bubble, falls from `(S-1)/(M+S-1)` to `(S-1)/(M*R+S-1)`). For `R > 1` a stack
     split contiguously over the stages is first regrouped by one all-to-all of each
     stage's weights (in the forward pass, and once more for their gradients; padded to
-    `S*ceil(R/S)` chunks, so twice the stage's weights for `R=2, S=4`); none of the
-    stacked weights is ever gathered whole. The mesh's other axes stay under the
+    `S*ceil(R/S)` chunks, so twice the stage's weights for `R=2, S=4`); a circular
+    `eqxshard.Stacked` stores its stack stage-major instead and moves no weights. None of
+    the stacked weights is ever gathered whole. The mesh's other axes stay under the
     compiler: a batch split over `"data"` stays split (microbatch `m` is rows `m, m+M,
     ...`), and each stage's weights keep their layout over `"fsdp"`/`"model"` axes (lay
     them out with `eqxshard.stages(axis)` in `first(...)` with other rules).

@@ -7,108 +7,17 @@ from typing import Any, cast
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, Mesh
 
 from .. import _compat
-from .._tree import leaf_error, pathstr, shape_str
 from .batching import batched_call, batching_of
-from .pipeline import filter_pipeline
-from .remat import check_remat, with_remat
-
-
-def scan_layers(layer: Callable[[Any, Any], Any], blocks: Any, h: Any, remat: str = "none") -> Any:
-    """`h` through every layer of `blocks` in order, as one `lax.scan` over the layer dim:
-    the reference every pipeline is checked against."""
-    params, static = eqx.partition(blocks, eqx.is_array)
-
-    def step(h: Any, p: Any) -> tuple[Any, None]:
-        return layer(eqx.combine(p, static), h), None
-
-    params = jax.tree.map(_whole_layer_dim, params)
-    return jax.lax.scan(with_remat(step, remat), h, params)[0]
-
-
-def _whole_layer_dim(x: Any) -> Any:
-    """`x` with its layer dim whole where Explicit mesh axes split it (e.g. over the
-    stages), which `lax.scan` refuses to scan over: every device runs every layer."""
-    sharding = _compat.traced_sharding(x)
-    if sharding is None:
-        return x
-    entries = _compat.spec_entries(sharding.spec)
-    first = entries[0] if entries else None
-    names = () if first is None else (first,) if isinstance(first, str) else tuple(first)
-    types = _compat.axis_type_map(sharding.mesh)
-    if not any(types.get(n) == AxisType.Explicit for n in names):
-        return x
-    whole = NamedSharding(sharding.mesh, PartitionSpec(None, *entries[1:]))
-    return _compat.reshard_explicit(x, whole)
-
-
-def layer_count(blocks: Any, *, argname: str, verb: str) -> int:
-    """The leading dim every array leaf of `blocks` shares, or a `ValueError` listing the
-    leaves that disagree (or have no dims)."""
-    leaves = [
-        (path, leaf)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(blocks)[0]
-        if eqx.is_array(leaf)
-    ]
-    if not leaves:
-        raise ValueError(
-            f"`{verb}` got a `{argname}` with no array leaves; expected a stack of blocks "
-            "whose array leaves share a leading layer dim. Build it with "
-            "`eqx.filter_vmap(make_block)(jax.random.split(key, n))`."
-        )
-    dims = [leaf.shape[0] if leaf.ndim else None for _, leaf in leaves]
-    counts: dict[int, int] = {}
-    for d in dims:
-        if d is not None:
-            counts[d] = counts.get(d, 0) + 1
-    n = max(counts, key=lambda d: counts[d]) if counts else None
-    bad = [
-        (pathstr(p), f"shape {shape_str(x.shape)}")
-        for (p, x), d in zip(leaves, dims, strict=True)
-        if d != n
-    ]
-    if n is None or bad:
-        rows = bad or [(pathstr(p), "shape ()") for p, _ in leaves]
-        raise ValueError(
-            leaf_error(
-                f"`{verb}` needs every array leaf of `{argname}` to have the same leading "
-                f"(layer) dim; most have {n}, these do not:",
-                rows,
-                "Stack the blocks with `eqx.filter_vmap(make_block)(keys)` or "
-                "`Stacked.from_layers([...])`, and keep arrays that every layer shares "
-                "outside the stack (or as non-array leaves).",
-            )
-        )
-    return n
-
-
-def _check_pipeline(axis: Any, microbatches: Any, repeats: Any, mesh: Any) -> None:
-    if axis is None:
-        given = [n for n, v in (("microbatches", microbatches), ("mesh", mesh)) if v is not None]
-        if given or repeats != 1:
-            names = ", ".join(f"`{n}`" for n in given + (["repeats"] if repeats != 1 else []))
-            raise ValueError(
-                f"`Stacked` got {names} without `axis`; they configure the pipeline, which "
-                'runs only over a mesh axis. Pass `axis="stage"` (the mesh axis to pipeline '
-                "over) as well, or leave them out for the plain scan."
-            )
-        return
-    if not isinstance(axis, str):
-        raise TypeError(f"`Stacked` got `axis={axis!r}`; expected a mesh axis name (a str).")
-    for name, value in (("microbatches", microbatches), ("repeats", repeats)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TypeError(
-                f"`Stacked` got `{name}={value!r}` with `axis={axis!r}`; expected a "
-                f"positive int. A pipeline cuts each batch into `microbatches` pieces "
-                f"(at least the number of stages keeps the bubble small)."
-            )
-    if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
-        raise TypeError(
-            f"`Stacked` got `mesh` of type {type(mesh).__name__}; expected a "
-            "`jax.sharding.Mesh` (or `None`, for the mesh set by `jax.set_mesh`)."
-        )
+from .checks import check_stacked
+from .keys import key_parts, keyed_forms, microbatch_keys, takes_key
+from .order import from_stage_major, to_stage_major
+from .pipeline import run_pipeline
+from .remat import check_remat
+from .scan import layer_count, scan_layers, whole_layer_dim
 
 
 class Stacked(eqx.Module):
@@ -131,7 +40,18 @@ class Stacked(eqx.Module):
         written per example, batched from outside), a batching rule hands the pipeline
         the whole batch and each block runs per example under `vmap`. Differentiate
         outside the `vmap` (`jax.grad(lambda m: jax.vmap(m)(x).sum())`); per-example
-        gradients (`jax.grad` inside `jax.vmap`) of a pipelined stack are refused.
+        gradients (`jax.grad` inside `jax.vmap`) of a pipelined stack are refused, and so
+        is a pipelined stack reached through `jax.checkpoint`, `jax.jit` or a `lax.scan`
+        body inside the `vmap` (it would see one example): apply those outside the `vmap`.
+        Nested `vmap`s pipeline the innermost batch.
+
+    `stack(h, key=key)` splits `key` into one key per layer (`jax.random.split(key, n)[i]`
+    for layer `i`) and passes it as `key=` to blocks that take one (dropout), the same
+    under the plain scan, every `remat` and the pipeline per example; a key per example
+    under `jax.vmap` works too. Called on a batch, the pipeline gives microbatch `m`
+    (rows `m, m+M, ..`) the layer keys of `jax.random.fold_in(key, m)` instead, as it
+    never runs the whole batch at once. Numbers in the blocks (non-array leaves, which
+    `jax.jit` turns into 0-d arrays) are shared by every layer.
 
     **Arguments:**
 
@@ -146,16 +66,29 @@ class Stacked(eqx.Module):
         stage holding `R` chunks of layers.
     - `mesh`: the mesh to pipeline on; `None` uses the one set by `jax.set_mesh`.
 
+    A circular stack (`repeats > 1`) whose stage count is known when it is built (from
+    `mesh`, or the mesh set by `jax.set_mesh` then) is stored **stage-major**: the
+    `blocks` attribute holds stage `s`'s chunks (layer chunks `s, s+S, ..`) next to each
+    other, so that the `stages` rule's contiguous split gives each stage the chunks the
+    circular schedule runs on it and no weights move per step. `stages` records that
+    stage count (`None`: layer order; a circular stack stored so is regrouped by an
+    all-to-all per step). `to_layers()` and `n` read the layers in layer order; a
+    checkpoint of the stack restores into a `Stacked` built with the same `repeats` and
+    stage count (restore a list form and `from_layers` it for any other).
+
     **Raises:**
 
     - `ValueError`: if `blocks` has no array leaves or its array leaves disagree on the
         leading dim (each listed by path); if `remat` is not a policy name; if
-        `microbatches`, `repeats` or `mesh` are given without `axis`.
+        `microbatches`, `repeats` or `mesh` are given without `axis`; if a stack stored
+        stage-major does not split into stages x `repeats` chunks.
     - `TypeError`: if `axis` is not a str, `microbatches` or `repeats` not a positive int,
         or `mesh` not a mesh.
 
     Calling it raises what `filter_pipeline` raises when it pipelines, and a `ValueError`
-    for a pipelined stack under `jax.grad` inside `jax.vmap`.
+    for a pipelined stack under `jax.grad` inside `jax.vmap` or reached through a
+    transformation that traces it on its own inside `jax.vmap`, or one stored stage-major
+    for another stage count than the mesh's.
 
     !!! Example
 
@@ -165,6 +98,7 @@ class Stacked(eqx.Module):
         stack = eqxshard.Stacked(blocks, remat="dots")
         h = stack(jnp.ones(16))  # the six layers, one after another
         hs = jax.vmap(stack)(jnp.ones((4, 16)))
+        h = stack(jnp.ones(16), key=jax.random.key(1))  # a key per layer, for blocks that take one
         ```
     """
 
@@ -174,6 +108,7 @@ class Stacked(eqx.Module):
     microbatches: int | None = eqx.field(static=True)
     repeats: int = eqx.field(static=True)
     mesh: Mesh | AbstractMesh | None = eqx.field(static=True)
+    stages: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -185,12 +120,22 @@ class Stacked(eqx.Module):
         repeats: int = 1,
         mesh: Mesh | AbstractMesh | None = None,
     ):
-        layer_count(blocks, argname="blocks", verb="Stacked")
+        n = layer_count(blocks, argname="blocks", verb="Stacked")
         # Without a mesh, "offload" is checked against the default device's memories.
         self.remat = check_remat("Stacked", remat, mesh or Mesh(jax.devices()[:1], ("layers",)))
-        _check_pipeline(axis, microbatches, repeats, mesh)
-        self.blocks = blocks
+        check_stacked(axis, microbatches, repeats, mesh)
         self.axis, self.microbatches, self.repeats, self.mesh = axis, microbatches, repeats, mesh
+        self.stages = _stored_stages(axis, repeats, mesh)
+        if self.stages is not None:
+            if n % (self.stages * repeats):
+                raise ValueError(
+                    f"`Stacked` cannot store {n} layers stage-major in {self.stages} stages "
+                    f"(of mesh axis {axis!r}) x repeats={repeats} = "
+                    f"{self.stages * repeats} equal chunks. Use a layer count divisible by "
+                    f"{self.stages * repeats}, or change `repeats` or the stage axis's size."
+                )
+            blocks = to_stage_major(blocks, self.stages, repeats)
+        self.blocks = blocks
 
     @property
     def n(self) -> int:
@@ -216,8 +161,11 @@ class Stacked(eqx.Module):
         return cls(stack_layers(layers), **options)
 
     def to_layers(self) -> list[Any]:
-        """The `n` blocks as a list, each block `i` holding slice `i` of every array leaf."""
+        """The `n` blocks as a list, in layer order (also of a stack stored stage-major)."""
         params, static = eqx.partition(self.blocks, eqx.is_array)
+        params = jax.tree.map(whole_layer_dim, params)
+        if self.stages is not None:
+            params = from_stage_major(params, self.stages, self.repeats)
         return [
             eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(self.n)
         ]
@@ -228,19 +176,59 @@ class Stacked(eqx.Module):
         mesh = self.mesh if self.mesh is not None else _compat.ambient_mesh()
         return mesh if mesh is not None and self.axis in mesh.axis_names else None
 
-    def __call__(self, h: Any) -> Any:
+    def _order(self) -> tuple[int, int] | None:
+        return None if self.stages is None else (self.stages, self.repeats)
+
+    def __call__(self, h: Any, *, key: Any = None) -> Any:
+        """Runs the layers in order on `h`; `key` (optional) is split into one key per layer,
+        `jax.random.split(key, n)[i]` for layer `i`, passed as `key=` to blocks that take
+        one, the same under the plain scan, any `remat` and the pipeline."""
         mesh = self._pipeline_mesh()
+        if mesh is not None:
+            stages = dict(mesh.shape)[cast(str, self.axis)]
+            if self.stages is not None and stages != self.stages:
+                raise ValueError(
+                    f"This `Stacked` stores its layers stage-major for {self.stages} stages, "
+                    f"but its mesh has {stages} along {self.axis!r}. Rebuild it for this "
+                    "mesh: `Stacked.from_layers(stack.to_layers(), axis=..., "
+                    "microbatches=..., repeats=..., mesh=mesh)` (under `jax.set_mesh(mesh)` "
+                    "without `mesh`)."
+                )
+        # A 0-d array leaf (a number of the block's, which `jax.jit` made a tracer) is
+        # shared by every layer, as the non-array leaf it was when the stack was built.
+        number = lambda a: eqx.is_array(a) and not a.ndim  # noqa: E731
+        blocks = eqx.filter(self.blocks, number, inverse=True)
+        shared = eqx.filter(self.blocks, number)
+        keyed = key is not None and takes_key(self.blocks)
+        fill = lambda f: _filled(f, shared, keyed) if jax.tree.leaves(shared) else f  # noqa: E731
+        if not keyed:
+            return self._run(tuple(map(fill, _PLAIN)), blocks, h, mesh)
+        n = layer_count(blocks, argname="blocks", verb="Stacked")
+        index = jnp.arange(n)  # each layer's index travels with its weights
+        if self.stages is not None:
+            index = to_stage_major(index, self.stages, self.repeats)
+        data, wrap = key_parts(key)
+        forms = tuple(map(fill, keyed_forms(wrap, n)))
+        if mesh is not None and batching_of((h, data)) == "none":
+            # The pipeline on the caller's batch: each microbatch a key of its own.
+            batch = [a.shape[0] for a in jax.tree.leaves(h) if getattr(a, "ndim", 0)]
+            if batch:
+                data = microbatch_keys(key, batch[0], cast(int, self.microbatches))
+        return self._run(forms, (blocks, index), (h, data), mesh)[0]
+
+    def _run(self, forms: tuple[Any, Any, Any], blocks: Any, h: Any, mesh: Any) -> Any:
+        one, rows, vmapped = forms
         if mesh is None:
-            return scan_layers(_apply, self.blocks, h, self.remat)
-        params, static = eqx.partition(self.blocks, eqx.is_array)
+            return scan_layers(one, blocks, h, self.remat, self._order())
+        params, static = eqx.partition(blocks, eqx.is_array)
         batching = batching_of(h)
         if batching == "innermost":
 
             def per_example(p: Any, x: Any) -> Any:
-                return scan_layers(_apply, eqx.combine(p, static), x, self.remat)
+                return scan_layers(one, eqx.combine(p, static), x, self.remat, self._order())
 
             def on_batch(p: Any, xs: Any) -> Any:
-                return self._pipeline(_apply_vmapped, eqx.combine(p, static), xs, mesh)
+                return self._pipeline(vmapped, eqx.combine(p, static), xs, mesh)
 
             return batched_call(per_example, on_batch, params, h)
         if batching == "beneath":
@@ -251,12 +239,23 @@ class Stacked(eqx.Module):
                 "vmap (`jax.grad(lambda m: jax.vmap(m)(x).sum())`), or use a `Stacked` "
                 "without `axis` for per-example gradients."
             )
-        return self._pipeline(_apply, self.blocks, h, mesh)
+        if batching == "staged":
+            raise ValueError(
+                "`Stacked` is pipelined (`axis` is set and the mesh has it) and was reached "
+                "through a transformation that traces it on its own (`jax.checkpoint` / "
+                "`eqx.filter_checkpoint`, `jax.jit`, a `lax.scan` or `lax.cond` body, ...) "
+                "inside `jax.vmap`: it sees one example, and the pipeline needs the whole "
+                "batch. Apply that transformation outside the vmap (e.g. "
+                "`eqx.filter_checkpoint(jax.vmap(model))(x)`, `jax.jit(jax.vmap(model))`), "
+                "or use `Stacked(remat=...)` for rematerialisation."
+            )
+        return self._pipeline(rows, blocks, h, mesh)
 
     def _pipeline(self, layer: Callable[[Any, Any], Any], blocks: Any, h: Any, mesh: Any) -> Any:
         # Reached only with `axis` and `microbatches` set (`_pipeline_mesh` checks `axis`,
         # `__init__` requires `microbatches` with it).
-        return filter_pipeline(
+        return run_pipeline(
+            "Stacked",
             layer,
             blocks,
             h,
@@ -265,7 +264,32 @@ class Stacked(eqx.Module):
             microbatches=cast(int, self.microbatches),
             repeats=self.repeats,
             remat=self.remat,
+            stage_major=self.stages is not None,
         )
+
+
+def _stored_stages(axis: str | None, repeats: int, mesh: Any) -> int | None:
+    """The stage count a circular stack is stored stage-major for: the size of `axis` in
+    `mesh` (or the mesh set now); `None` (layer order) for GPipe or an unknown count."""
+    if axis is None or repeats == 1:
+        return None
+    mesh = mesh if mesh is not None else _compat.ambient_mesh()
+    if mesh is None or axis not in mesh.axis_names:
+        return None
+    stages = dict(mesh.shape)[axis]
+    return stages if stages > 1 else None
+
+
+def _filled(form: Callable[[Any, Any], Any], shared: Any, keyed: bool) -> Any:
+    """`form` given each layer's block with the leaves every layer shares put back."""
+
+    def layer(block: Any, h: Any) -> Any:
+        if keyed:
+            block, i = block
+            return form((eqx.combine(block, shared), i), h)
+        return form(eqx.combine(block, shared), h)
+
+    return layer
 
 
 def _apply(block: Any, h: Any) -> Any:
@@ -274,3 +298,8 @@ def _apply(block: Any, h: Any) -> Any:
 
 def _apply_vmapped(block: Any, h: Any) -> Any:
     return jax.vmap(block)(h)
+
+
+# The layer as the plain scan (and a per-example call) runs it, as the pipeline runs it on
+# the caller's microbatches, and per example under `vmap`.
+_PLAIN = (_apply, _apply, _apply_vmapped)

@@ -79,7 +79,8 @@ def stages(
     shape (the leaf without its layer dim) over the mesh's other axes. The stack is split
     contiguously: stage `s` holds layers `s*n/S .. (s+1)*n/S - 1`, which is what
     `filter_pipeline` runs for `repeats=1`; for `repeats > 1` it regroups them by one
-    all-to-all per step.
+    all-to-all per step, unless the stack is stored stage-major (as a circular `Stacked`
+    built with its mesh stores it), when the split gives each stage its own chunks.
 
     **Arguments:**
 
