@@ -17,6 +17,15 @@ count `T` of the pipeline's loop (the `while` whose body holds the collective pe
 the ticks each stage works, `M*R` microbatch-passes, so idle stage-ticks are `S*(T - M*R)`
 and the bubble `(T - M*R)/T`, beside the formula `(S-1)/(M*R+S-1)`.
 
+`temp/DP` is the temporaries over data parallelism's (`scan, data=8`). A device of the
+pipeline runs `n/S` layers on `B/(2M)` rows per tick for `T` ticks, where data
+parallelism runs `n` layers on `B/8` rows once: the same work when no tick idles, but the
+loop's `S-1` idle ticks compute on zeros and keep their residuals for the backward pass
+like the others, so the activations kept grow by `T/(M*R)` (`ticks/work`). A circular
+schedule also keeps, at each tick, the chunk of weights the tick picked (`T` chunks of
+`n/(S*R)` layers). The rest is each stage's weight gradients and the loop's buffers of
+`M` microbatches (input, output, and the circular schedule's second pass).
+
 On CPU devices that share two cores the times say little about a real pipeline (every
 "device" competes for the same cores, and idle ticks still compute, masked); the bytes and
 the bubble are what carry over.
@@ -134,6 +143,8 @@ def main() -> None:
             times[label].append(time.perf_counter() - start)
 
     base = statistics.median(times["scan, data=8"])
+    base_memory = compiled["scan, data=8"].memory_analysis()
+    assert base_memory is not None
     print(
         f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}; "
         f"{n} blocks of {dim}x{hidden}, batch {batch} x {tokens} tokens, S={S} stages; "
@@ -144,6 +155,8 @@ def main() -> None:
         "time",
         "weights+batch/device",
         "temp/device",
+        "temp/DP",
+        "ticks/work",
         "loop T",
         "idle S*(T-MR)",
         "bubble",
@@ -159,19 +172,21 @@ def main() -> None:
             f"{ratio:.2f}x",
             f"{memory.argument_size_in_bytes / 2**10:.0f} KiB",
             f"{memory.temp_size_in_bytes / 2**10:.0f} KiB",
+            f"{memory.temp_size_in_bytes / base_memory.temp_size_in_bytes:.2f}x",
         ]
         if m:
             counts = trip_counts(compiled[label].as_text())
             loop = max(counts) if counts else 0
             work = m * r
             row += [
+                f"{loop / work:.2f}",
                 str(loop),
                 str(S * (loop - work)),
                 f"{(loop - work) / loop:.1%}" if loop else "-",
                 f"{(S - 1) / (work + S - 1):.1%}",
             ]
         else:
-            row += ["-", "-", "-", "-"]
+            row += ["-", "-", "-", "-", "-"]
         rows.append(row)
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     for row in rows:

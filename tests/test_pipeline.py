@@ -254,3 +254,13 @@ def test_stage_major_stack_runs_circular_without_moving_weights():
     text = jax.jit(jax.grad(_loss(pipe))).lower(blocks, _x()).compile().as_text()
     assert not _ops(text, "all-to-all") and not _ops(text, "all-gather")
     assert _ops(text, "collective-permute")
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_gpipe_keeps_its_stage_s_weights_once_not_once_per_tick(kind):
+    # 8 layers on 4 stages (2 each), 8 microbatches of 2 rows: T = 8 + 4 - 1 = 11 ticks.
+    mesh = make_mesh(kind, shape=(4,), names=("stage",))
+    blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages())
+    text = _compiled(mesh, 1, blocks, eqxshard.filter_shard(_x(), mesh, P())).as_text()
+    assert "f32[2,4,4]" in text  # the stage's weights
+    assert "f32[11,2,4,4]" not in text  # ... kept for the backward pass at every tick

@@ -5,6 +5,8 @@ with the mesh given or set by `jax.set_mesh`, and the collective permutes in its
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -69,7 +71,7 @@ def pipelined(model, **pipeline):
 def test_a_vmapped_model_pipelines_with_the_plain_scan_s_values_and_gradients(repeats, ambient):
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     plain = Model(jax.random.key(0))
-    options = dict(axis="stage", microbatches=4, repeats=repeats)
+    options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=repeats)
     model = pipelined(plain, **options, **({} if ambient else {"mesh": mesh}))
     tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
     step = eqx.filter_jit(eqx.filter_value_and_grad(loss))
@@ -148,7 +150,7 @@ def _ops(text, name):
 def test_a_circular_stack_is_stored_stage_major_and_moves_no_weights(ambient):
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16))
-    options = dict(axis="stage", microbatches=4, repeats=2)
+    options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2)
     if ambient:
         with jax.set_mesh(mesh):
             stack = Stacked(blocks, **options)
@@ -183,7 +185,7 @@ def test_a_circular_stack_is_stored_stage_major_and_moves_no_weights(ambient):
 
 def test_a_stage_major_stack_on_another_stage_count_is_refused():
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
-    options = dict(axis="stage", microbatches=4, repeats=2)
+    options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2)
     with jax.set_mesh(mesh):  # built for 4 stages, called on a mesh of 2
         stack = Stacked(eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16)), **options)
     with jax.set_mesh(jax.make_mesh((2, 4), ("stage", "data"))):
@@ -198,7 +200,7 @@ def test_a_stage_major_stack_on_another_stage_count_is_refused():
 def test_a_stage_major_stack_restores_from_its_checkpoint(tmp_path):
     pytest.importorskip("orbax.checkpoint")
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
-    options = dict(axis="stage", microbatches=4, repeats=2, mesh=mesh)
+    options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2, mesh=mesh)
     saved = Model(jax.random.key(0), n=16, **options)
     rules = eqxshard.first(eqxshard.stages("stage", path=r"blocks\.blocks\..*"), P())
     eqxshard.filter_save(str(tmp_path), 0, eqxshard.filter_shard(saved, mesh, rules))

@@ -6,7 +6,7 @@ Runs inside `shard_map` over the stage axis (`S` stages). Each stage holds `R` c
 on stage `c % S`, as its local chunk `c // S`: for `R = 1` the GPipe schedule, for `R > 1`
 the circular one. The stack split contiguously over the stage axis gives stage `s` the
 chunks `s*R .. s*R+R-1`, so for `R > 1` the chunks are first sent to the stages that run
-them (`to_stage_major`: one all-to-all of the stage's weights, in the forward pass and its
+them (`regroup`: one all-to-all of the stage's weights, in the forward pass and its
 transpose in the backward pass); a stack already stored stage-major skips it.
 
 The loop runs `M*R + S - 1` ticks (`M` microbatches). At tick `t` stage `s` works on item
@@ -30,7 +30,7 @@ from .. import _compat
 
 
 def _send_tables(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
-    """For `to_stage_major`: `send[d, e, k]`, the local chunk stage `d` sends to stage `e`
+    """For `regroup`: `send[d, e, k]`, the local chunk stage `d` sends to stage `e`
     in place `k`; `take[e, i]`, where (`d*Q + k`) stage `e` finds its local chunk `i`."""
     per = math.ceil(repeats / stages)  # Q: chunks one stage sends another, at most
     send = np.zeros((stages, stages, per), np.int32)
@@ -49,7 +49,7 @@ def _send_tables(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
     return send, take
 
 
-def to_stage_major(local: Any, axis: str, stages: int, repeats: int) -> Any:
+def regroup(local: Any, axis: str, stages: int, repeats: int) -> Any:
     """Inside `shard_map`: each stage's slice of a layer stack split contiguously (chunks
     `s*R ..`) turned into the chunks it runs (`c` with `c % S == s`), by one all-to-all."""
     if repeats == 1 or stages == 1:
@@ -95,7 +95,9 @@ def run_stages(
         return jax.tree.map(lambda a, v: a.at[i].set(jnp.where(cond, v, a[i])), tree, value)
 
     def chunk(r: Any, h: Any) -> Any:
-        weights = get(local, r)
+        # GPipe's one chunk is a constant of the loop, which the backward pass keeps once;
+        # a chunk picked by the tick is kept for the backward pass at every tick.
+        weights = get(local, r if R > 1 else 0)
         return jax.lax.scan(lambda h, w: (step(w, h), None), h, weights)[0]
 
     def item(k: Any) -> tuple[Any, Any, Any]:
