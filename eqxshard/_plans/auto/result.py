@@ -176,13 +176,20 @@ class Plan:
 
     def shard(self, model: Any, opt_state: Any = None, batch: Any = None) -> tuple[Any, Any, Any]:
         """`(model, opt_state, batch)` placed by the plan with `filter_shard` (`None`s are
-        returned as they are), the optimiser state in pinned host memory when the plan
-        offloads it. Raises `ValueError` for a plan over an `AbstractMesh`."""
+        returned as they are), the model's `Stacked` layers configured as `apply` does,
+        the optimiser state in pinned host memory when the plan offloads it. Raises
+        `ValueError` for a plan over an `AbstractMesh`, or whose `remat`/`pipeline` do
+        not match the model's stacks."""
         mesh = self._concrete_mesh("shard")
         place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
+        if model is not None:
+            model = self._configured("Plan.shard", model, mesh)
         if opt_state is not None:
             opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
         return place(model, self.rules), opt_state, place(batch, self.batch_spec)
+
+    def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
+        return use.configured(verb, model, mesh, self.remat, self.pipeline)
 
     @property
     def _offloads_state(self) -> bool:
@@ -190,13 +197,14 @@ class Plan:
 
     def init(self, make_model: Callable[..., Any], optimizer: Any = None) -> Callable[..., Any]:
         """A function of `make_model`'s arguments (usually a key) returning the model, born
-        sharded by `filter_init`, and with `optimizer` also its state, as
+        sharded by `filter_init` (its `Stacked` layers configured as `apply` does), and with `optimizer` also its state, as
         `(model, opt_state)` (the state moved to pinned host memory when the plan offloads
         it). Raises `ValueError` for a plan over an `AbstractMesh`."""
         mesh = self._concrete_mesh("init")
 
         def init(*args: Any, **kwargs: Any) -> Any:
-            model = filter_init(make_model, mesh, self.rules)(*args, **kwargs)
+            make = lambda *a, **k: self._configured("Plan.init", make_model(*a, **k), mesh)
+            model = filter_init(make, mesh, self.rules)(*args, **kwargs)
             if optimizer is None:
                 return model
             opt_init = lambda m: optimizer.init(eqx.filter(m, eqx.is_array))
@@ -263,23 +271,26 @@ class Plan:
         return use.jit(step, mesh, self.rules, self.batch_spec, donate, self._offloads_state)
 
     def apply(self, model: Any) -> Any:
-        """`model` as the plan runs it: today its array leaves placed by `plan.rules` over
-        `plan.mesh` (as `plan.shard(model)` places them); `remat` and `pipeline` choices
-        are for the stacked layers of `eqxshard.Stacked`, which this plan's model has
-        none of, so there is nothing more to configure.
+        """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
+        plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
+        layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
+        `repeats=1`, circular above), then its array leaves placed by `plan.rules` over
+        `plan.mesh`. A plan without such choices only places the model (as
+        `plan.shard(model)` does).
 
         **Arguments:**
 
-        - `model`: the model, concrete.
+        - `model`: the model the plan was made for, concrete.
 
         **Returns:**
 
-        The model, placed.
+        The model, configured and placed.
 
         **Raises:**
 
-        - `ValueError`: for a plan over an `AbstractMesh`; for a plan with `remat` or
-            `pipeline` choices (they need stacked layers); `filter_shard`'s errors.
+        - `ValueError`: for a plan over an `AbstractMesh`; for `remat` paths that are not
+            `Stacked` layers of `model`, or a `pipeline` for a model without any (the
+            paths found are listed); `Stacked`'s and `filter_shard`'s errors.
         """
         mesh = self._concrete_mesh("apply")
         return use.apply(model, mesh, self.rules, self.remat, self.pipeline)
