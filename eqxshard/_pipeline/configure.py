@@ -79,3 +79,29 @@ def configure(
         return Stacked(leaf.blocks, **options)
 
     return jax.tree_util.tree_map_with_path(rebuilt, model, is_leaf=_is_stacked)
+
+
+def _node(stack: Stacked) -> Any:
+    """The structure of `stack` itself: its settings, with its blocks as one leaf."""
+    return jax.tree_util.tree_structure(stack, is_leaf=lambda x: x is not stack)
+
+
+def configure_like(tree: Any, model: Any) -> Any:
+    """`tree` (e.g. an optimiser state holding the model's parameters, `mu.blocks`) with
+    each `Stacked` in it given the settings of the stack of `model` whose path ends its
+    own, so that its structure matches the configured model's again. Its blocks are kept
+    as they are (they may be `None`s or masks: nothing is checked)."""
+    found = stacks(model)
+    if not found:
+        return tree
+
+    def rebuilt(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, Stacked):
+            return leaf
+        where = dotted(path)
+        for p, stack in found.items():
+            if where == p or where.endswith("." + p) or not p:
+                return jax.tree_util.tree_unflatten(_node(stack), [leaf.blocks])
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(rebuilt, tree, is_leaf=_is_stacked)

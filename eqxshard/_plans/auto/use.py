@@ -10,8 +10,8 @@ from typing import Any
 
 import jax
 
+from ..._pipeline.configure import configure, configure_like as configure_like
 from ..._placement.put import filter_put
-from ..._pipeline.configure import configure
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
 from ..plan import filter_plan
@@ -111,9 +111,7 @@ def jit(
     return PlanStep(step, mesh, rules, batch_spec, donate, offload)
 
 
-def configured(
-    verb: str, model: Any, mesh: Any, remat: dict[str, str], pipeline: Any
-) -> Any:
+def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str], pipeline: Any) -> Any:
     """`model` with its `Stacked` layers set to the plan's `remat` and `pipeline` (the
     model itself when the plan chose neither)."""
     if not remat and pipeline is None:
