@@ -102,6 +102,7 @@ def test_remat_variants_are_pruned_by_arithmetic():
     assert [v.name for v, _, _ in todo] == ["DP + remat dots"] and pruned == []
 
 
+@pytest.mark.heavy
 def test_a_generous_budget_chooses_no_remat_offload_or_stages():
     model = _make(4)(jax.random.key(0))
     options = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)

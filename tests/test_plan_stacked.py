@@ -36,8 +36,8 @@ def _remat_in_jaxpr(model, batch) -> bool:
     "choices",
     [
         {"remat": {"blocks": "dots"}},
-        {"remat": {"blocks": "full"}, "pipeline": PIPELINE},
-        {"pipeline": dict(PIPELINE, repeats=2)},
+        pytest.param({"remat": {"blocks": "full"}, "pipeline": PIPELINE}, marks=pytest.mark.heavy),
+        pytest.param({"pipeline": dict(PIPELINE, repeats=2)}, marks=pytest.mark.heavy),
     ],
     ids=["remat", "remat+gpipe", "circular"],
 )
@@ -71,6 +71,7 @@ def test_apply_configures_the_stacks_and_computes_the_same(choices):
     assert ("collective-permute" in text) == (pipeline is not None)
 
 
+@pytest.mark.heavy
 def test_init_and_shard_configure_too():
     plan = _plan(remat={"blocks": "dots"}, pipeline=PIPELINE)
     model, state = plan.init(sd.make, sd.OPTIMIZER)(jax.random.key(0))
