@@ -4,6 +4,8 @@ is what the table says (bytes per device within 1%) and trains as one device doe
 
 from __future__ import annotations
 
+from typing import Any
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -52,7 +54,7 @@ def _check_runs_as_planned(plan, make):
 def tight():
     # Three layers do not split over two stages: only remat can make this model fit.
     model = _make(3)(jax.random.key(0))
-    options = dict(devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False)
     return eqxshard.auto_plan(sd.step, model, sd.shapes(batch=16, tokens=32), **options)
 
 
@@ -105,7 +107,7 @@ def test_remat_variants_are_pruned_by_arithmetic():
 @pytest.mark.heavy
 def test_a_generous_budget_chooses_no_remat_offload_or_stages():
     model = _make(4)(jax.random.key(0))
-    options = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)
     plan = eqxshard.auto_plan(sd.step, model, sd.shapes(batch=16, tokens=8), **options)
     assert plan.remat == {} and plan.offload == () and plan.pipeline is None
     assert any(c.pipeline is not None and c.time is not None for c in plan.table)
@@ -116,7 +118,7 @@ def test_a_generous_budget_chooses_no_remat_offload_or_stages():
 def test_stages_win_when_the_other_axes_are_slow():
     model = _make(4)(jax.random.key(0))
     links = {"data": SLOW, "fsdp": SLOW, "model": SLOW}
-    options = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)
     plan = eqxshard.auto_plan(
         sd.step, model, sd.shapes(batch=16, tokens=32), links=links, **options
     )
