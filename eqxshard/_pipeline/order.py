@@ -16,7 +16,7 @@ def _swap_chunk_grid(blocks: Any, rows: int, columns: int) -> Any:
     (row-major), rewritten column-major: the chunk at `(i, j)` moves to `j*rows + i`."""
 
     def move(a: Any) -> Any:
-        if not eqx.is_array(a):
+        if not eqx.is_array(a) or not a.ndim:
             return a
         chunk = a.shape[0] // (rows * columns)
         a = a.reshape(rows, columns, chunk, *a.shape[1:]).swapaxes(0, 1)

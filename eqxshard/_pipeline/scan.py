@@ -13,7 +13,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from .. import _compat
 from .._placement import place
-from .._tree import leaf_error, pathstr, shape_str
+from .._tree import is_array_like, leaf_error, pathstr, shape_str
 from .order import from_stage_major
 from .remat import with_remat
 
@@ -64,7 +64,7 @@ def layer_count(blocks: Any, *, argname: str, verb: str) -> int:
     leaves = [
         (path, leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(blocks)[0]
-        if eqx.is_array(leaf)
+        if is_array_like(leaf)  # abstract stacks too: `auto_plan` configures them
     ]
     if not leaves:
         raise ValueError(

@@ -63,7 +63,16 @@ def place(
         return Job(layout, {}, rejected=why)
     try:
         mesh = _mesh(shape, available)
-        big = place_(problem, mesh, layout.rules, problem.batch, batch_spec(shape), layout.offload)
+        big = place_(
+            problem,
+            mesh,
+            layout.rules,
+            problem.batch,
+            batch_spec(shape),
+            layout.offload,
+            layout.remat,
+            layout.pipeline,
+        )
     except (ValueError, TypeError) as e:
         return Job(layout, {}, rejected=" ".join(str(e).split())[:300])
     exact = {"parameters": big.parameters}
@@ -81,7 +90,14 @@ def place(
     small_ways = math.prod(small[a] for a in batch_axes(small))
     batch = _resize_batch(problem.batch, size // ways * small_ways)
     placed = place_(
-        problem, _mesh(small, available), layout.rules, batch, batch_spec(small), layout.offload
+        problem,
+        _mesh(small, available),
+        layout.rules,
+        batch,
+        batch_spec(small),
+        layout.offload,
+        layout.remat,
+        layout.pipeline,
     )
     return Job(layout, exact, small, placed, small=small, host=host)
 
@@ -103,6 +119,8 @@ def measure_all(
             repr(job.layout.rules),
             user,
             job.layout.offload,
+            job.layout.remat,
+            job.layout.pipeline,
             _shapes_key(job.placed.args[2]),
         )
         count = math.prod(job.compile_shape.values())
