@@ -209,3 +209,23 @@ def test_a_stage_major_stack_restores_from_its_checkpoint(tmp_path):
     assert restored.blocks.stages == 4
     tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
     close(loss(restored, tokens), loss(Model(jax.random.key(0), n=16), tokens))
+
+
+def test_a_plan_reconfigures_a_stage_major_stack_from_its_layers():
+    from eqxshard._pipeline.configure import configure, configure_like
+
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2, mesh=mesh)
+    model = Model(jax.random.key(0), n=16, **options)
+    layers = jax.tree.leaves(model.blocks.to_layers())
+    remat = {"blocks": "full"}
+    again = configure("Plan.apply", model, remat=remat, pipeline=None, mesh=mesh)
+    assert again.blocks.stages == 4 and again.blocks.remat == "full"
+    close(jax.tree.leaves(again.blocks.to_layers()), layers)
+    # GPipe: layer order; an optimiser state stored like `model` follows it there.
+    gpipe = dict(axis="stage", microbatches=4, repeats=1)
+    plain = configure("Plan.apply", model, remat={}, pipeline=gpipe, mesh=mesh)
+    assert plain.blocks.stages is None
+    close(jax.tree.leaves(plain.blocks.to_layers()), layers)
+    state = configure_like({"mu": model}, plain)
+    close(state["mu"].blocks.blocks.w1, plain.blocks.blocks.w1)
