@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import tqdm
 
 from ..._tree import is_array_like
@@ -26,6 +27,16 @@ def _resize_batch(batch: Any, size: int) -> Any:
         batch,
         is_leaf=is_array_like,
     )
+
+
+def _largest_inexact(tree: Any) -> int:
+    """Bytes on one device of the largest floating-point leaf of a laid-out tree."""
+    sizes = [
+        math.prod(x.sharding.shard_shape(tuple(x.shape))) * x.dtype.itemsize
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return max(sizes, default=0)
 
 
 @dataclasses.dataclass
@@ -71,9 +82,17 @@ def place(
     if problem.trains:
         exact |= {"gradients": big.gradients, "optimizer state": big.opt_state - host}
     exact["batch"] = big.batch
-    known = sum(exact.values())
-    if known > budget:
-        why = f"{args_.over_budget(known, budget)} before activations"
+    kept = sum(exact.values())
+    if problem.trains:
+        # The step keeps its arguments (the new model and state reuse their buffers) but
+        # not every gradient at once: XLA updates each leaf as soon as its gradient is
+        # out. What it surely holds is one gradient, the largest, beside the arguments.
+        kept += _largest_inexact(big.args[0]) - exact["gradients"]
+    if kept > budget:
+        why = (
+            f"{args_.over_budget(kept, budget)} before activations (parameters, optimiser "
+            "state, batch and the largest gradient)"
+        )
         return Job(layout, exact, rejected=why, host=host)
     if layout.devices <= reach:
         return Job(layout, exact, shape, big, host=host)
@@ -86,17 +105,17 @@ def place(
     return Job(layout, exact, small, placed, small=small, host=host)
 
 
-def measure_all(
-    problem: Problem, problem_key: Any, jobs: list[Job], local: int, progress: bool | None
-) -> None:
-    """Compiles every job not in the cache: here when this process has the devices, else
-    in one subprocess per device count."""
-    pending: dict[Any, Job] = {}
+def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
+    """Gives each job to compile its cache key (the batch's shapes last) and where it is
+    compiled."""
     for job in jobs:
         if job.compile_shape is None or job.placed is None:
             continue
         user = _hashable(job.layout.rules) if job.layout.name.startswith("rules") else None
-        shape = tuple(job.compile_shape.items())
+        # A size-1 axis changes nothing in the compiled program: `data=1 x fsdp=2 x
+        # model=4` (a DP x FSDP x TP mesh shrunk) is the FSDP x TP mesh `fsdp=2 x
+        # model=4`, compiled once for both (a third of the 7B search's compiles).
+        shape = tuple((a, s) for a, s in job.compile_shape.items() if s > 1)
         job.key = (
             problem_key,
             shape,
@@ -111,7 +130,17 @@ def measure_all(
             if count <= local
             else f"compiled on {count} CPU devices in a subprocess"
         )
-        if job.key not in _CACHE:
+
+
+def measure_all(
+    problem: Problem, problem_key: Any, jobs: list[Job], local: int, progress: bool | None
+) -> None:
+    """Compiles every job not in the cache: here when this process has the devices, else
+    in one subprocess per device count."""
+    assign_keys(problem_key, jobs, local)
+    pending: dict[Any, Job] = {}
+    for job in jobs:
+        if job.key is not None and job.key not in _CACHE:
             pending.setdefault(job.key, job)
     here = [j for j in pending.values() if math.prod(j.compile_shape.values()) <= local]  # type: ignore[union-attr]
     remote = [j for j in pending.values() if j not in here]

@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh
 from ..._tree import is_array_like
 from . import (
     arguments as args_,
+    batch_proxies,
     flops as flops_,
     jobs,
     links as links_,
@@ -20,7 +21,7 @@ from . import (
     rank as rank_,
     topology,
 )
-from .cache import CACHE as _CACHE, shapes_key as _shapes_key
+from .cache import shapes_key as _shapes_key
 from .candidates import batch_spec, layouts
 from .measure import Problem, abstract
 from .meshes import mesh_for as _mesh
@@ -166,14 +167,13 @@ def auto_plan(
         jobs.place(problem, layout, size, reach, available, budget_bytes)
         for layout in layouts(model_abs, n, list(rules))
     ]
-    jobs.measure_all(problem, problem_key, work, local, progress)
 
     def row(job: jobs.Job) -> Candidate:
         return rank_.candidate(
             job.layout,
             job.exact,
             job.rejected,
-            _CACHE.get(job.key) if job.key is not None else None,
+            batch_proxies.measured(job),
             None if job.small is None else (job.small, job.placed),  # type: ignore[arg-type]
             job.where,
             budget_bytes,
@@ -182,6 +182,8 @@ def auto_plan(
             job.host,
         )
 
+    batch_proxies.measure(problem, problem_key, work, local, progress)
+    batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
     candidates = [row(job) for job in work]
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
