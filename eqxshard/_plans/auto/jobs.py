@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 from typing import Any
 
 import jax
@@ -132,6 +134,22 @@ def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
         )
 
 
+# A second process compiles alongside this one when one compile took this many seconds or
+# more and three or more are left: it pays for its start (importing JAX) a few times over.
+ALONGSIDE_AFTER = 2.0
+# The share of the compiles left that it takes: this process also traces and lowers them
+# (about a third of a compile's time) before it compiles its own.
+ALONGSIDE_SHARE = 0.6
+
+
+def share_alongside(rest: list[Job], seconds: float) -> list[Job]:
+    """The jobs a second process compiles alongside this one (none on one core, for few
+    or quick compiles)."""
+    if len(rest) < 3 or seconds < ALONGSIDE_AFTER or (os.cpu_count() or 1) < 2:
+        return []
+    return rest[len(rest) - round(ALONGSIDE_SHARE * len(rest)) :]
+
+
 def measure_all(
     problem: Problem, problem_key: Any, jobs: list[Job], local: int, progress: bool | None
 ) -> None:
@@ -146,11 +164,26 @@ def measure_all(
     remote = [j for j in pending.values() if j not in here]
     disable = None if progress is None else not progress
     with tqdm.tqdm(total=len(pending), desc="auto_plan", disable=disable, leave=False) as bar:
-        for job in here:
+        alongside, running, seconds = [], None, 0.0
+        for k, job in enumerate(here):
             assert job.compile_shape is not None and job.placed is not None
+            if any(job is j for j in alongside):
+                continue
             bar.set_postfix_str(f"{job.layout.name} {mesh_str(job.compile_shape)}")
+            start = time.perf_counter()
             _CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
+            seconds = max(seconds, time.perf_counter() - start)
             bar.update()
+            if k == 0 and running is None:
+                alongside = share_alongside(here[1:], seconds)
+                if alongside:
+                    work = [(j.placed, j.compile_shape) for j in alongside]
+                    running = compile_remote.start(problem, work)  # type: ignore[arg-type]
+        if running is not None:
+            for job, measured in zip(alongside, compile_remote.finish(running), strict=True):
+                _CACHE[job.key] = measured
+                job.where = "compiled here, in a second process"
+                bar.update()
         if remote:
             work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
             for job, measured in zip(
