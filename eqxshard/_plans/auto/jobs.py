@@ -134,9 +134,10 @@ def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
         )
 
 
-# A second process compiles alongside this one when one compile took this many seconds or
-# more and three or more are left: it pays for its start (importing JAX) a few times over.
-ALONGSIDE_AFTER = 2.0
+# A second process compiles alongside this one when three or more compiles are left and
+# they would take this many seconds or more at the first one's pace: it then pays for
+# its start (importing JAX, a few seconds) several times over.
+ALONGSIDE_AFTER = 30.0
 # The share of the compiles left that it takes: this process also traces and lowers them
 # (about a third of a compile's time) before it compiles its own.
 ALONGSIDE_SHARE = 0.6
@@ -145,7 +146,7 @@ ALONGSIDE_SHARE = 0.6
 def share_alongside(rest: list[Job], seconds: float) -> list[Job]:
     """The jobs a second process compiles alongside this one (none on one core, for few
     or quick compiles)."""
-    if len(rest) < 3 or seconds < ALONGSIDE_AFTER or (os.cpu_count() or 1) < 2:
+    if len(rest) < 3 or seconds * len(rest) < ALONGSIDE_AFTER or (os.cpu_count() or 1) < 2:
         return []
     return rest[len(rest) - round(ALONGSIDE_SHARE * len(rest)) :]
 
@@ -182,7 +183,6 @@ def measure_all(
         if running is not None:
             for job, measured in zip(alongside, compile_remote.finish(running), strict=True):
                 _CACHE[job.key] = measured
-                job.where = "compiled here, in a second process"
                 bar.update()
         if remote:
             work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
