@@ -5,6 +5,7 @@ through two compiles unless they come near the budget or the fastest step, and a
 step's times read in nanoseconds."""
 
 import re
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -77,7 +78,7 @@ def own_compile(step, model, mesh, spec, batch, batch_spec):
 def test_rejection_by_arithmetic_counts_what_the_step_keeps():
     step, model, batch = make_step(), deep_mlp(), concrete_batch(16)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    options = dict(devices=8, optimizer=OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=8, optimizer=OPTIMIZER, progress=False)
     roomy = eqxshard.auto_plan(step, model, shapes, budget="100MiB", **options)
     row = next(c for c in roomy.table if c.mesh_shape == {"fsdp": 8})
     # The test's own compile of FSDP over 8 devices: its bytes per device are the budget.
@@ -130,7 +131,7 @@ def test_affine_draws_the_line_and_refuses_compiles_that_differ():
 
 
 def _run(step, model, shapes, **kwargs):
-    options = dict(devices=32, compile_limit=4, optimizer=OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=32, compile_limit=4, optimizer=OPTIMIZER, progress=False)
     return eqxshard.auto_plan(step, model, shapes, **(options | kwargs))
 
 
@@ -172,6 +173,7 @@ def test_batches_drawn_through_two_compiles_agree_with_compiles(monkeypatch):
         # Buffers are not quite affine in the batch (7% over here): within the margin
         # that `settle` compiles near the budget, so no verdict on fitting turns on it.
         margin = batch_proxies.MARGIN
+        assert c.total_bytes and compiled.total_bytes and c.time and compiled.time
         assert abs(c.total_bytes - compiled.total_bytes) <= margin * compiled.total_bytes
         assert c.fits == compiled.fits
         assert abs(c.time - compiled.time) <= 0.05 * compiled.time
@@ -186,7 +188,8 @@ def test_an_estimate_near_the_budget_is_compiled():
         for c in _run(step, model, shapes, budget="64MiB").table
         if "drawn through compiles" in c.measured_on
     ]
-    target = max(drawn, key=lambda c: c.total_bytes)
+    target = max(drawn, key=lambda c: c.total_bytes or 0)
+    assert target.total_bytes
     near = _by_mesh(_run(step, model, shapes, budget=int(target.total_bytes * 1.05)))
     again = near[(target.name, tuple(target.mesh_shape.items()))]
     assert "drawn" not in again.measured_on and "compiled here" in again.measured_on
@@ -221,7 +224,7 @@ def test_a_size_one_axis_compiles_once(monkeypatch):
 
 
 def test_a_second_process_shares_only_slow_compiles(monkeypatch):
-    rest = [object()] * 10
+    rest: list[Any] = [object()] * 10
     assert jobs_module.share_alongside(rest[:2], 60.0) == []  # too few to pay for a process
     assert jobs_module.share_alongside(rest, 2.0) == []  # 20 s left: not worth a process
     monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 1)
@@ -234,7 +237,7 @@ def test_a_second_process_shares_only_slow_compiles(monkeypatch):
 def test_compiles_alongside_give_the_figures_of_compiles_here(monkeypatch):
     model = eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
     shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
-    options = dict(devices=8, budget="64MiB", optimizer=OPTIMIZER, progress=False)
+    options: dict[str, Any] = dict(devices=8, budget="64MiB", optimizer=OPTIMIZER, progress=False)
     here = eqxshard.auto_plan(make_step(), model, shapes, **options)
     monkeypatch.setattr(jobs_module, "ALONGSIDE_AFTER", 0.0)
     monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 2)
