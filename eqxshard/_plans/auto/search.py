@@ -14,6 +14,7 @@ from ..._pipeline.configure import stacks
 from ..._tree import is_array_like
 from . import (
     arguments as args_,
+    batch_proxies,
     flops as flops_,
     jobs,
     links as links_,
@@ -23,7 +24,7 @@ from . import (
     stages as stages_,
     topology,
 )
-from .cache import CACHE as _CACHE, shapes_key as _shapes_key
+from .cache import shapes_key as _shapes_key
 from .candidates import batch_spec, layouts
 from .measure import Problem, abstract
 from .meshes import mesh_for as _mesh
@@ -175,7 +176,6 @@ def auto_plan(
         jobs.place(problem, layout, size, reach, available, budget_bytes)
         for layout in layouts(model_abs, n, list(rules)) + piped
     ]
-    jobs.measure_all(problem, problem_key, work, local, progress)
     raw: dict[int, float] = {}  # compute seconds as compiled, by id of the layout
 
     def row(job: jobs.Job, ratio: float = 1.0) -> Candidate:
@@ -183,7 +183,7 @@ def auto_plan(
             job.layout,
             job.exact,
             job.rejected,
-            _CACHE.get(job.key) if job.key is not None else None,
+            batch_proxies.measured(job),
             None if job.small is None else (job.small, job.placed),  # type: ignore[arg-type]
             job.where,
             budget_bytes,
@@ -195,6 +195,8 @@ def auto_plan(
         c = stages_.timed(c, job.layout, flops, n, flops_per_second, ratio)
         return remat_.with_choices(c, job.layout, stages_.options(job.layout))
 
+    batch_proxies.measure(problem, problem_key, work, local, progress)
+    batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
     candidates = [row(job) for job in work]
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
