@@ -115,9 +115,9 @@ def configure_like(tree: Any, model: Any) -> Any:
 def _reordered(leaf: Stacked, stack: Stacked) -> Any:
     """`leaf`'s blocks (stored in `leaf`'s order) in the order `stack` stores its layers:
     a circular stack may be stored stage-major (array leaves without a layer dim stay)."""
-    blocks = leaf.blocks
-    if getattr(leaf, "stages", None) is not None:
-        blocks = from_stage_major(blocks, leaf.stages, leaf.repeats)
+    blocks, stored = leaf.blocks, getattr(leaf, "stages", None)
+    if stored is not None:
+        blocks = from_stage_major(blocks, stored, leaf.repeats)
     if stack.stages is not None:
         blocks = to_stage_major(blocks, stack.stages, stack.repeats)
     return blocks
