@@ -547,3 +547,51 @@ def test_donating_method_decorated_in_the_class_body(jit):
     _, new = new(jnp.ones(2))
     assert n == 1 and m.buffer.is_deleted() and new.buffer[0] == 2
     assert new.buffer.unsafe_buffer_pointer() == pointer
+
+
+@JITS
+def test_donating_a_bound_method_deletes_its_module_as_equinox_does(jit):
+    # `donate="all"` donates the arrays of `fun` itself, as `eqx.filter_jit` does: the
+    # module a method is bound to is gone after the first call.
+    class M(eqx.Module):
+        w: jax.Array
+
+        def scale(self, x):
+            return self.w * x
+
+    m = M(jnp.ones(3))
+    step = jit(m.scale, donate="all")
+    np.testing.assert_array_equal(step(jnp.ones(())), np.ones(3))
+    assert m.w.is_deleted()
+    # A donate tree over the arguments keeps the arrays of `fun`.
+    m = M(jnp.ones(3))
+    x = jnp.ones(3)
+    jit(m.scale, donate=(True,))(x) if jit is _filter_jit else jit(m.scale, donate="none")(x)
+    assert not m.w.is_deleted()
+
+
+def test_calling_again_with_donated_arrays_names_them():
+    class M(eqx.Module):
+        w: jax.Array
+
+        def scale(self, x):
+            return self.w * x
+
+        @_filter_jit(donate="all")
+        def __call__(self, x):
+            return self.w * x
+
+    m = M(jnp.ones(3))
+    step = _filter_jit(m.scale, donate="all")
+    step(jnp.ones(()))
+    with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*<fun>.*\.w  shape \(3,\)"):
+        step(jnp.ones(()))
+    m = M(jnp.ones(3))
+    m(jnp.ones(()))
+    with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*\[0\]\.w(.|\n)*all-except"):
+        m(jnp.ones(()))
+    # `"all-except-first"` keeps `self` of a method decorated in the class body.
+    keep = eqx.tree_at(lambda s: s.w, m, jnp.ones(3))
+    kept = _filter_jit(type(keep).scale, donate="all-except-first")
+    kept(keep, jnp.ones(()))
+    assert not keep.w.is_deleted()
