@@ -47,6 +47,9 @@ class Logical(Rule):
             )
         return PartitionSpec(*entries)
 
+    def unused(self, seen: Any) -> list[str]:
+        return self.rule.unused(seen)
+
     def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
         spec = self.rule.match(path, leaf, mesh)
         if not isinstance(spec, PartitionSpec):
