@@ -595,3 +595,30 @@ def test_calling_again_with_donated_arrays_names_them():
     kept = _filter_jit(type(keep).scale, donate="all-except-first")
     kept(keep, jnp.ones(()))
     assert not keep.w.is_deleted()
+
+
+def test_a_step_is_traced_with_its_explicit_mesh_in_context():
+    # jax >= 0.11 looks Explicit axes up in the context mesh (an `Embedding` lookup of a
+    # split batch failed with "Resource axis: data ... not found in mesh: ()" there).
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    seen = []
+
+    def f(x):
+        seen.append(jax.sharding.get_abstract_mesh())
+        return x * 2
+
+    for kind in (AxisType.Explicit, AxisType.Auto):
+        seen.clear()
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+        out = _filter_jit(f, in_shardings=P("data"), mesh=mesh)(jnp.ones(16))
+        np.testing.assert_array_equal(out, np.full(16, 2.0))
+        if kind == AxisType.Explicit:  # (Auto axes are left as `jax.jit` leaves them)
+            assert seen[0].axis_names == ("data",) and seen[0].axis_types == (kind,)
+    # A mesh the caller set stays the one in context.
+    explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    two = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    seen.clear()
+    with jax.set_mesh(two):
+        _filter_jit(f, mesh=explicit)(jnp.ones(16))
+    assert seen[0].axis_names == ("a", "b")

@@ -125,7 +125,8 @@ def filter_jit(
         outputs are returned as they are.
     - `mesh`: the mesh that `PartitionSpec`s and rules in `in_shardings` and
         `out_shardings` lay leaves out over. `None` (default) is the mesh set by
-        `jax.set_mesh`.
+        `jax.set_mesh`. A mesh with Explicit axes is in context while `fun` is traced
+        (where none is set), as JAX's ops on such axes need it.
     - `move_inputs`: `True` (default): committed inputs not laid out as `in_shardings`
         asks are moved before the call, all in one batched `jax.device_put`, the path
         `filter_shard` takes (inside an outer `jit`, a layout constraint); inputs laid out
