@@ -56,6 +56,7 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
 
 import equinox as eqx  # noqa: E402
 import numpy as np  # noqa: E402
+from _table import print_table  # noqa: E402  (benchmarks/_table.py)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
@@ -382,7 +383,7 @@ def main() -> None:
         f"{trace_repeats} for tracing)."
     )
     header = ("case", "eqxshard", "compared with", "its time", "ratio", "target", "result")
-    _print_table([header, *rows])
+    print_table([header, *rows], right={1, 3, 4})
     print(f"eqx.filter_shard on an Explicit mesh: {error}.")
     print()
     print(
@@ -403,7 +404,7 @@ def main() -> None:
                 "PASS" if ok else "MISS",
             )
         )
-    _print_table(table, right=set(range(1, len(CATEGORIES) + 2)))
+    print_table(table, right=set(range(1, len(CATEGORIES) + 2)))
     print(
         "(b) return the very arrays they were given, so nothing is waited on: "
         + (", ".join(sorted(no_copy)) or "none")
@@ -413,19 +414,6 @@ def main() -> None:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
-
-
-def _print_table(rows: list[tuple[str, ...]], right: set[int] | None = None) -> None:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    right = {1, 3, 4} if right is None else right
-    for k, r in enumerate(rows):
-        cells = [
-            cell.rjust(w) if c in right else cell.ljust(w)
-            for c, (cell, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        print("  ".join(cells).rstrip())
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from _table import print_table  # noqa: E402  (benchmarks/_table.py)
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
@@ -187,20 +188,8 @@ def main() -> None:
             "eqx.filter_jit donating x):"
         )
         header = ("way", "per call", "vs jax.jit", "vs eqx", "target", "result")
-        _print_table([header, *table(n_mlps, repeats)])
+        print_table([header, *table(n_mlps, repeats)], right={1, 2, 3})
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end.")
-
-
-def _print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for k, r in enumerate(rows):
-        cells = [
-            cell.rjust(w) if c in (1, 2, 3) else cell.ljust(w)
-            for c, (cell, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        print("  ".join(cells).rstrip())
-        if k == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 if __name__ == "__main__":

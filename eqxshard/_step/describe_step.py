@@ -99,19 +99,7 @@ def _inputs(wrapper: Any, lowered: Any, compiled: Any, args: tuple, kwargs: dict
     flat = Flat((wrapper._fun, args, kwargs))
     asked = lowered._entry.in_shardings
     got = jax.tree_util.tree_leaves(compiled.input_shardings)
-    rows = []
-    for n, i in enumerate(flat.array_indices):
-        x = flat.leaves[i]
-        rows.append(
-            StepLeaf(
-                path=call_path(flat.paths[i]),
-                shape=tuple(x.shape),
-                dtype=str(x.dtype),
-                asked=asked.get(i),
-                compiled=got[n] if n < len(got) else None,
-            )
-        )
-    return rows
+    return _rows(flat, asked, got, call_path)
 
 
 def _outputs(wrapper: Any, lowered: Any, compiled: Any) -> list:
@@ -124,19 +112,22 @@ def _outputs(wrapper: Any, lowered: Any, compiled: Any) -> list:
             abstract, config.out_shardings, mesh=config.mesh, argname="out_shardings"
         )
     got = jax.tree_util.tree_leaves(compiled.output_shardings)
-    rows = []
-    for n, i in enumerate(flat.array_indices):
-        x = flat.leaves[i]
-        rows.append(
-            StepLeaf(
-                path="out" + pathstr(flat.paths[i]).replace("<root>", ""),
-                shape=tuple(x.shape),
-                dtype=str(x.dtype),
-                asked=asked.get(i),
-                compiled=got[n] if n < len(got) else None,
-            )
+    return _rows(flat, asked, got, lambda path: "out" + pathstr(path).replace("<root>", ""))
+
+
+def _rows(flat: Flat, asked: dict[int, Any], got: list, name: Callable[[Any], str]) -> list:
+    """A `StepLeaf` per array leaf of `flat`: its layout asked (by leaf index) and compiled
+    (by its place among the array leaves)."""
+    return [
+        StepLeaf(
+            path=name(flat.paths[i]),
+            shape=tuple(flat.leaves[i].shape),
+            dtype=str(flat.leaves[i].dtype),
+            asked=asked.get(i),
+            compiled=got[n] if n < len(got) else None,
         )
-    return rows
+        for n, i in enumerate(flat.array_indices)
+    ]
 
 
 def _devices(compiled: Any) -> int:

@@ -137,6 +137,22 @@ def run_once(directory: Path, name: str, make: Callable[[], Any]) -> Any:
         return json.loads(cached.read_text())
 
 
+def run_scenarios(directory: Path, tag: str, worker: Path, num_processes: int) -> Any:
+    """The workers of `worker` run once per session, each process every scenario in turn;
+    their reports are cached under `directory` as `tag`."""
+    return run_once(
+        directory, tag, lambda: run_workers(worker, num_processes, directory, f"{tag}-")
+    )
+
+
+def check_listed(worker: Path, scenarios: list[str]) -> None:
+    """Fails unless `worker` defines exactly `scenarios`, each under `@scenario`."""
+    text = worker.read_text()
+    missing = [name for name in scenarios if f"def {name}(" not in text]
+    assert not missing, f"{worker.name} lacks {missing}"
+    assert text.count("@scenario") == len(scenarios), f"{worker.name} has unlisted scenarios"
+
+
 def check_scenario(run: dict[str, Any], name: str, num_processes: int) -> None:
     """Fails the test unless every process reported scenario `name` passed."""
     reports = run["reports"].get(name, {})

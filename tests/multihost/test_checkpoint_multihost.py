@@ -20,7 +20,15 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from harness import HERE, check_clean_exit, check_scenario, load_worker, run_once, run_workers
+from harness import (
+    HERE,
+    check_clean_exit,
+    check_listed,
+    check_scenario,
+    load_worker,
+    run_once,
+    run_workers,
+)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import NUM_PROCESSES
 
@@ -52,9 +60,8 @@ def run(multihost_dir: Path) -> dict[str, Any]:
 
 
 def test_worker_runs_the_listed_scenarios() -> None:
-    text = WORKER.read_text()
-    assert all(f"def {name}(" in text for name in SCENARIOS)
-    assert text.count("@scenario") == len(SCENARIOS) == 4
+    check_listed(WORKER, SCENARIOS)
+    assert len(SCENARIOS) == 4
 
 
 @pytest.mark.parametrize("name", SCENARIOS)

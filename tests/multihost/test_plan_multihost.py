@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import HERE, check_clean_exit, check_scenario, run_once, run_workers
+from harness import HERE, check_clean_exit, check_listed, check_scenario, run_scenarios
 
 WORKER = HERE / "plan_worker.py"
 NUM_PROCESSES = 2
@@ -25,15 +25,11 @@ SCENARIOS = [
 
 @pytest.fixture(scope="session")
 def run(multihost_dir: Path) -> dict[str, Any]:
-    return run_once(
-        multihost_dir, "plan", lambda: run_workers(WORKER, NUM_PROCESSES, multihost_dir, "plan-")
-    )
+    return run_scenarios(multihost_dir, "plan", WORKER, NUM_PROCESSES)
 
 
 def test_worker_runs_the_listed_scenarios() -> None:
-    text = WORKER.read_text()
-    assert all(f"def {name}(" in text for name in SCENARIOS)
-    assert text.count("@scenario") == len(SCENARIOS)
+    check_listed(WORKER, SCENARIOS)
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
