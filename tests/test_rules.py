@@ -391,7 +391,10 @@ def test_a_pattern_that_gives_no_leaf_its_spec_is_a_warning_alone_and_inside_fir
     wanted = {
         "alone": (alone, [typo]),
         "first": (path_rules([(typo, P("data"))]) | fsdp("data"), [typo]),
-        "after a rule that took every leaf": (fsdp("data") | path_rules([(".*bias", P())]), [".*bias"]),
+        "after a rule that took every leaf": (
+            fsdp("data") | path_rules([(".*bias", P())]),
+            [".*bias"],
+        ),
         "shadowed": (shadowed, [".*weight"]),
         "logical": (logical(path_rules([(typo, P("x"))]), {"x": "data"}) | P(), [typo]),
         "a tree inside first": (first({"layers": path_rules([(typo, P())])}, P()), [typo]),
@@ -402,7 +405,8 @@ def test_a_pattern_that_gives_no_leaf_its_spec_is_a_warning_alone_and_inside_fir
         with pytest.warns(UserWarning) as caught:
             filter_plan(tree, mesh, spec)
         message = str(caught[0].message)
-        assert len(caught) == 1 and "`filter_plan`: these parts of the `spec` rules gave no" in message
+        assert len(caught) == 1
+        assert "`filter_plan`: these parts of the `spec` rules gave no" in message
         for pattern in patterns:
             assert f"path_rules pattern {pattern!r}" in message, name
     # Every pattern used (an unused catch-all is a safeguard, not a typo): no warning.

@@ -225,7 +225,8 @@ class First(Rule):
                 if rule.match(path, leaf, mesh) is not NO_MATCH:
                     decided[n].append((path, leaf, mesh))
                     break
-        return [part for rule, mine in zip(self.rules, decided) for part in rule.unused(mine)]
+        pairs = zip(self.rules, decided, strict=True)
+        return [part for rule, mine in pairs for part in rule.unused(mine)]
 
     def __repr__(self) -> str:
         return " | ".join(repr(r) for r in self.rules)

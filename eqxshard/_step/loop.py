@@ -22,7 +22,6 @@ from .entry import Entry, lay_out, output
 from .jit import filter_jit
 from .leaves import UNSET, Split
 
-
 _DEFAULT = _Config("none", None, None, None, True)  # `filter_jit()`'s options
 
 
