@@ -589,11 +589,18 @@ def test_calling_again_with_donated_arrays_names_them():
     m(jnp.ones(()))
     with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*\[0\]\.w(.|\n)*all-except"):
         m(jnp.ones(()))
-    # `"all-except-first"` keeps `self` of a method decorated in the class body.
-    keep = eqx.tree_at(lambda s: s.w, m, jnp.ones(3))
-    kept = _filter_jit(type(keep).scale, donate="all-except-first")
-    kept(keep, jnp.ones(()))
-    assert not keep.w.is_deleted()
+
+    class Kept(eqx.Module):  # `"all-except-first"` keeps `self`, the first argument
+        w: jax.Array
+
+        @_filter_jit(donate="all-except-first")
+        def __call__(self, x):
+            return self.w * x
+
+    kept = Kept(jnp.ones(3))
+    kept(jnp.ones(()))
+    kept(jnp.ones(()))
+    assert not kept.w.is_deleted()
 
 
 def test_a_step_is_traced_with_its_explicit_mesh_in_context():
