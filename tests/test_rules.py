@@ -415,5 +415,7 @@ def test_a_pattern_that_gives_no_leaf_its_spec_is_a_warning_alone_and_inside_fir
         filter_plan(model, mesh, path_rules([(r".*", P())]) | fsdp("data"))
         filter_plan(model, mesh, path_rules([(r".*weight", P()), (r".*bias", P()), (".*", P())]))
         eqxshard.filter_shard(model, mesh, path_rules([(r".*weight", P())]) | P())
+        # `describe` is asked about parts of a model with the whole's rule: no warning.
+        eqxshard.describe(model.layers[0], mesh, path_rules([(r"layers\.0\.w.*", P())]) | P())
     with pytest.warns(UserWarning, match=r"`filter_shard`: (.|\n)*'nothing'"):
         eqxshard.filter_shard(model, mesh, path_rules([("nothing", P())]) | P())

@@ -254,8 +254,11 @@ def resolve_here(
 def _warn_unused(verb: str, asked: dict[int, tuple[Any, list[tuple[Any, Any, Any]]]]) -> None:
     """Warns for the parts of each rule that gave no leaf its spec (a `path_rules`
     pattern that matches no path, alone or inside `first`): a typo does nothing else."""
-    if verb == "auto_plan":  # it lays the model and the optimiser state out apart, by
-        return  # the same rules: a pattern for the model's paths matches none of the state's
+    # Not for `auto_plan`, which lays the model and the optimiser state out apart by the
+    # same rules (patterns for the model's paths match none of the state's), nor for
+    # `describe`, which is asked about parts of a model (one block) with the whole's rule.
+    if verb in ("auto_plan", "describe"):
+        return
     parts = [part for rule, seen in asked.values() for part in rule.unused(seen)]
     if parts:
         warnings.warn(

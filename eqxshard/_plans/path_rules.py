@@ -90,7 +90,8 @@ def path_rules(
     (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`. A
     pattern that gives no leaf its spec (it matches no path, or earlier patterns or
     rules take every leaf it matches) is a warning naming it, alone or inside `first`
-    (a catch-all such as `.*` excepted).
+    (a catch-all such as `.*` excepted; `describe`, often asked about a part of a model,
+    does not warn).
 
     **Arguments:**
 
