@@ -19,8 +19,9 @@ from ._pipeline.stacked import Stacked as Stacked
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard
+from ._plans.auto.candidate import Candidate as Candidate
 from ._plans.auto.links import LINKS as LINKS, Link as Link
-from ._plans.auto.result import Candidate as Candidate, Plan as Plan
+from ._plans.auto.result import Plan as Plan
 from ._plans.auto.search import auto_plan as auto_plan
 from ._plans.by_stage import StageRow as StageRow
 from ._plans.describe import (

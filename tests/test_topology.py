@@ -110,5 +110,8 @@ def test_bad_devices_per_node(value, error, match):
 
 
 def test_unknown_link_axis_names_host():
-    with pytest.raises(ValueError, match=r"names axes \['stage'\]; the axes are .* and 'host'"):
-        auto_plan(links={"stage": "pcie4"})
+    # `stage` is an axis too (pipeline candidates); `pipe` is not.
+    with pytest.raises(
+        ValueError, match=r"names axes \['pipe'\]; the axes are .*'stage'\] and 'host'"
+    ):
+        auto_plan(links={"pipe": "pcie4"})

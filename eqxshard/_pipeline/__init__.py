@@ -6,7 +6,8 @@ circular loops, and regrouping a contiguously split stack into the chunks each s
 runs), the layer and stage-major orders a stack is stored in (`order`), its argument
 checks (`checks`), the per-layer `remat` policies (`remat`) shared by everything here,
 `Stacked` (`stacked`: a module holding a stack of blocks, run by one `jax.lax.scan` or
-the pipeline; `convert`: stacking a list of blocks) and the batching rule that lets a
+the pipeline; `convert`: stacking a list of blocks; `configure`: a model's stacks found by
+path and rebuilt with a plan's remat and pipeline choices) and the batching rule that lets a
 pipelined stack see the whole batch under `jax.vmap` (`batching`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,

@@ -10,7 +10,7 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import _compat
-from .._tree import leaf_error, pathstr, shape_str
+from .._tree import is_array_like, leaf_error, pathstr, shape_str
 from .batching import batched_call, batching_of
 from .pipeline import filter_pipeline
 from .remat import check_remat, with_remat
@@ -50,7 +50,7 @@ def layer_count(blocks: Any, *, argname: str, verb: str) -> int:
     leaves = [
         (path, leaf)
         for path, leaf in jax.tree_util.tree_flatten_with_path(blocks)[0]
-        if eqx.is_array(leaf)
+        if is_array_like(leaf)  # abstract stacks too: `auto_plan` configures them
     ]
     if not leaves:
         raise ValueError(

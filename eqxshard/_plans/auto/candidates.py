@@ -188,6 +188,8 @@ class Layout:
     rules: Any
     note: str = ""
     offload: bool = False  # the optimiser state in pinned host memory between steps
+    remat: tuple[tuple[str, str], ...] = ()  # (path of a `Stacked`, policy), see remat.py
+    pipeline: tuple[int, int] | None = None  # (microbatches, repeats) over `stage`
 
     @property
     def devices(self) -> int:

@@ -1,6 +1,7 @@
-"""Run as `python -m eqxshard._plans.auto.compile_worker IN OUT` by `compile_remote`: compiles
-each StableHLO module of IN (JSON: device count, modules) on that many CPU devices and
-writes each one's memory figures, flops and compiled HLO text to OUT (JSON)."""
+"""Run as `python -m eqxshard._plans.auto.compile_worker IN OUT` by `compile_remote`:
+compiles each StableHLO module of IN (JSON: a device count, the modules, and optionally
+each module's own count, at most that) on that many CPU devices and writes each one's
+memory figures, flops and compiled HLO text to OUT (JSON)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def main(src: str, dst: str) -> None:
     from ... import _compat
 
     results = []
-    for text in work["modules"]:
-        memory, flops, hlo = _compat.compile_stablehlo(text, int(work["devices"]))
+    counts = work.get("counts") or [work["devices"]] * len(work["modules"])
+    for text, count in zip(work["modules"], counts, strict=True):
+        memory, flops, hlo = _compat.compile_stablehlo(text, int(count))
         results.append({"memory": memory, "flops": flops, "hlo": hlo})
     with open(dst, "w") as f:
         json.dump(results, f)

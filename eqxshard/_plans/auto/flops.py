@@ -44,3 +44,9 @@ def loop_ratio(step: Any, *args: Any) -> float:
     jaxpr = eqx.filter_make_jaxpr(step)(*args)[0].jaxpr
     once = _matmul_flops(jaxpr, loops=False)
     return _matmul_flops(jaxpr, loops=True) / once if once else 1.0
+
+
+def matmul_flops(step: Any, *args: Any) -> float:
+    """The step's matmul flops over the whole batch, every scan's length counted: what a
+    pipeline's stages share out (the time model of `stages`)."""
+    return _matmul_flops(eqx.filter_make_jaxpr(step)(*args)[0].jaxpr, loops=True)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from ..._pipeline.configure import configure, configure_like
 from ..._placement import place as place_
 from ..._placement.put import filter_put
 from ..._step.pinned import PinnedOp, pinned_ops
@@ -153,6 +154,7 @@ class Placed:
     opt_state: int
     batch: int
     offload: bool = False
+    remat: bool = False  # a stack rematerialises: compiled with constant folding
 
 
 def _on_host(tree: Any) -> Any:
@@ -171,14 +173,20 @@ def place(
     batch: Any,
     batch_spec: Any,
     offload: bool = False,
+    remat: tuple[tuple[str, str], ...] = (),
+    pipeline: tuple[int, int] | None = None,
 ) -> Placed:
     """The candidate's arguments laid out on `mesh`; with `offload`, the optimiser state
-    in pinned host memory (`opt_state` bytes are then host bytes)."""
-    model, model_shardings, parameters, gradients = placed(problem.model, mesh, rules)
+    in pinned host memory (`opt_state` bytes are then host bytes); with `remat` or
+    `pipeline`, the model's `Stacked` layers configured so (`stages.configured`)."""
+    model = configured(problem.model, mesh, remat, pipeline)
+    state = configure_like(problem.opt_state, model) if model is not problem.model else None
+    model, model_shardings, parameters, gradients = placed(model, mesh, rules)
     arrays, static = eqx.partition(model, is_array_like)
     opt_state, opt_shardings, opt_bytes = None, None, 0
     if problem.trains:
-        opt_state, opt_shardings, opt_bytes, _ = placed(problem.opt_state, mesh, rules)
+        state = problem.opt_state if state is None else state
+        opt_state, opt_shardings, opt_bytes, _ = placed(state, mesh, rules)
         if offload:
             opt_state = _on_host(opt_state)
     batch_placed, _, batch_bytes, _ = placed(batch, mesh, batch_spec)
@@ -192,7 +200,20 @@ def place(
         opt_bytes,
         batch_bytes,
         offload and problem.trains,
+        any(policy != "none" for _, policy in remat),
     )
+
+
+def configured(
+    model: Any, mesh: Any, remat: tuple[tuple[str, str], ...], pipeline: tuple[int, int] | None
+) -> Any:
+    """`model` (abstract) with its stacks set to a candidate's remat and pipeline."""
+    if not remat and pipeline is None:
+        return model
+    options = None
+    if pipeline is not None:
+        options = {"axis": "stage", "microbatches": pipeline[0], "repeats": pipeline[1]}
+    return configure("auto_plan", model, remat=dict(remat), pipeline=options, mesh=mesh)
 
 
 def _jit(problem: Problem, p: Placed) -> Any:
@@ -226,7 +247,10 @@ def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurem
     with warnings.catch_warnings():
         # A step may return leaves that cannot reuse a donated buffer (a new dtype, say).
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-        compiled = _jit(problem, p).lower(*p.args).compile(compiler_options=FAST_COMPILE)
+        options = FAST_COMPILE
+        if p.remat:  # without folding, a full remat's step holds 10% less than it will
+            options = {k: v for k, v in FAST_COMPILE.items() if k != "xla_disable_hlo_passes"}
+        compiled = _jit(problem, p).lower(*p.args).compile(compiler_options=options)
     memory = compiled.memory_analysis()
     if memory is None:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""What `auto_plan` returns: a `Plan` (plain data that acts) and its ranked `Candidate`s."""
+"""What `auto_plan` returns: a `Plan` (plain data that acts) and its ranked `Candidate`s
+(`candidate`)."""
 
 from __future__ import annotations
 
@@ -15,58 +16,8 @@ from ..._placement.shard import filter_shard
 from ..._tree import format_bytes
 from ..plan import filter_init
 from . import choices, use, view
+from .candidate import Candidate as Candidate
 from .meshes import mesh_for
-
-
-@dataclasses.dataclass(frozen=True)
-class Candidate:
-    """One layout `auto_plan` tried: a row of `Plan.table`.
-
-    - `rank`: its place in the table (1 is the chosen plan); fitting candidates come first,
-        fastest first, then those that do not fit, smallest first.
-    - `name`: the rule family: `DP` (parameters replicated), `FSDP`, `TP` (tensor
-        parallel), products of these (`FSDP x TP`), or `rules[k]` for the user's `k`th rule.
-    - `mesh_shape`: axis name -> size (size-1 axes dropped).
-    - `rules`: the rule, usable as any `spec` (its `repr` is Python to paste and edit).
-    - `bytes`: bytes per device by part: `parameters`, `gradients` (with an optimiser;
-        less what the compiled step never holds at once, where XLA fused the update into
-        the backward pass), `optimizer state` (0 when offloaded), `batch`, `activations`
-        (with every other temporary).
-    - `total_bytes`: bytes per device of the whole compiled step (arguments, outputs
-        less what they reuse by donation, temporaries); `None` if it could not be built.
-    - `collectives`: bytes each device sends per step, by kind (`all-reduce`,
-        `all-gather`, `reduce-scatter`, `all-to-all`, `collective-permute`).
-    - `communication_time`, `compute_time`, `time`: estimated seconds per step (the
-        alpha-beta model over the axes' links; flops over `flops_per_second`; their sum,
-        with `host_time`).
-    - `fits`: whether `total_bytes` is within the budget.
-    - `estimated`: whether the figures come from a smaller mesh (see `measured_on`).
-    - `measured_on`: where the figures come from: `compiled here`, `compiled in a
-        subprocess with N CPU devices`, or the smaller mesh they are scaled from.
-    - `reason`: why it was chosen or not (over budget by how much, how much slower).
-    - `offload`: the parts held in pinned host memory between steps (`("optimizer
-        state",)` or `()`); their bytes per device are `host_bytes` (not in
-        `total_bytes`, which is device memory), and moving them in and out over the
-        `host` link takes `host_time` seconds per step (part of `time`).
-    """
-
-    rank: int
-    name: str
-    mesh_shape: dict[str, int]
-    rules: Any
-    bytes: dict[str, int]
-    total_bytes: int | None
-    collectives: dict[str, int]
-    communication_time: float | None
-    compute_time: float | None
-    time: float | None
-    fits: bool
-    estimated: bool
-    measured_on: str
-    reason: str
-    offload: tuple[str, ...] = ()
-    host_bytes: int = 0
-    host_time: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False, eq=False)
@@ -176,13 +127,21 @@ class Plan:
 
     def shard(self, model: Any, opt_state: Any = None, batch: Any = None) -> tuple[Any, Any, Any]:
         """`(model, opt_state, batch)` placed by the plan with `filter_shard` (`None`s are
-        returned as they are), the optimiser state in pinned host memory when the plan
-        offloads it. Raises `ValueError` for a plan over an `AbstractMesh`."""
+        returned as they are), the model's `Stacked` layers configured as `apply` does,
+        the optimiser state in pinned host memory when the plan offloads it. Raises
+        `ValueError` for a plan over an `AbstractMesh`, or whose `remat`/`pipeline` do
+        not match the model's stacks."""
         mesh = self._concrete_mesh("shard")
         place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
+        if model is not None:
+            model = self._configured("Plan.shard", model, mesh)
+            opt_state = use.configure_like(opt_state, model)
         if opt_state is not None:
             opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
         return place(model, self.rules), opt_state, place(batch, self.batch_spec)
+
+    def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
+        return use.configured(verb, model, mesh, self.remat, self.pipeline)
 
     @property
     def _offloads_state(self) -> bool:
@@ -190,13 +149,15 @@ class Plan:
 
     def init(self, make_model: Callable[..., Any], optimizer: Any = None) -> Callable[..., Any]:
         """A function of `make_model`'s arguments (usually a key) returning the model, born
-        sharded by `filter_init`, and with `optimizer` also its state, as
-        `(model, opt_state)` (the state moved to pinned host memory when the plan offloads
-        it). Raises `ValueError` for a plan over an `AbstractMesh`."""
+        sharded by `filter_init` (its `Stacked` layers configured as `apply` does), and
+        with `optimizer` also its state, as `(model, opt_state)` (the state moved to
+        pinned host memory when the plan offloads it). Raises `ValueError` for a plan
+        over an `AbstractMesh`."""
         mesh = self._concrete_mesh("init")
 
         def init(*args: Any, **kwargs: Any) -> Any:
-            model = filter_init(make_model, mesh, self.rules)(*args, **kwargs)
+            make = lambda *a, **k: self._configured("Plan.init", make_model(*a, **k), mesh)
+            model = filter_init(make, mesh, self.rules)(*args, **kwargs)
             if optimizer is None:
                 return model
             opt_init = lambda m: optimizer.init(eqx.filter(m, eqx.is_array))
@@ -263,23 +224,26 @@ class Plan:
         return use.jit(step, mesh, self.rules, self.batch_spec, donate, self._offloads_state)
 
     def apply(self, model: Any) -> Any:
-        """`model` as the plan runs it: today its array leaves placed by `plan.rules` over
-        `plan.mesh` (as `plan.shard(model)` places them); `remat` and `pipeline` choices
-        are for the stacked layers of `eqxshard.Stacked`, which this plan's model has
-        none of, so there is nothing more to configure.
+        """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
+        plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
+        layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
+        `repeats=1`, circular above), then its array leaves placed by `plan.rules` over
+        `plan.mesh`. A plan without such choices only places the model (as
+        `plan.shard(model)` does).
 
         **Arguments:**
 
-        - `model`: the model, concrete.
+        - `model`: the model the plan was made for, concrete.
 
         **Returns:**
 
-        The model, placed.
+        The model, configured and placed.
 
         **Raises:**
 
-        - `ValueError`: for a plan over an `AbstractMesh`; for a plan with `remat` or
-            `pipeline` choices (they need stacked layers); `filter_shard`'s errors.
+        - `ValueError`: for a plan over an `AbstractMesh`; for `remat` paths that are not
+            `Stacked` layers of `model`, or a `pipeline` for a model without any (the
+            paths found are listed); `Stacked`'s and `filter_shard`'s errors.
         """
         mesh = self._concrete_mesh("apply")
         return use.apply(model, mesh, self.rules, self.remat, self.pipeline)

@@ -10,17 +10,21 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh
 
+from ..._pipeline.configure import stacks
 from ..._tree import is_array_like
 from . import (
     arguments as args_,
+    batch_proxies,
     flops as flops_,
     jobs,
     links as links_,
     offload as offload_,
     rank as rank_,
+    remat as remat_,
+    stages as stages_,
     topology,
 )
-from .cache import CACHE as _CACHE, shapes_key as _shapes_key
+from .cache import shapes_key as _shapes_key
 from .candidates import batch_spec, layouts
 from .measure import Problem, abstract
 from .meshes import mesh_for as _mesh
@@ -146,7 +150,7 @@ def auto_plan(
             f"`auto_plan` takes `compile_limit` as an int >= 1, but got {compile_limit!r}."
         )
     node = topology.check_devices_per_node(devices_per_node, n)
-    given = topology.resolve(links, ("data", "fsdp", "model"))
+    given = topology.resolve(links, ("data", "fsdp", "model", stages_.AXIS))
     model_abs = abstract(model)
     batch_abs = abstract(batch)
     size = args_.batch_size(batch_abs)
@@ -162,18 +166,24 @@ def auto_plan(
     problem_key = (step, _shapes_key(model_abs), _shapes_key(opt_abs), _shapes_key(batch_abs))
     local = len(available)
     reach = max(compile_limit, 1)
+    paths = list(stacks(model_abs))
+    flops = flops_.matmul_flops(step, *trace_args) if paths else 0.0
+    stage_link = topology.axis_links({stages_.AXIS: n}, given, node)[stages_.AXIS]
+    piped, skipped = stages_.layouts(model_abs, n, size, flops, flops_per_second, stage_link)
+    if n > reach:  # a stage axis is not scaled from smaller meshes: compiled only
+        piped, skipped = [], []
     work = [
         jobs.place(problem, layout, size, reach, available, budget_bytes)
-        for layout in layouts(model_abs, n, list(rules))
+        for layout in layouts(model_abs, n, list(rules)) + piped
     ]
-    jobs.measure_all(problem, problem_key, work, local, progress)
+    raw: dict[int, float] = {}  # compute seconds as compiled, by id of the layout
 
-    def row(job: jobs.Job) -> Candidate:
-        return rank_.candidate(
+    def row(job: jobs.Job, ratio: float = 1.0) -> Candidate:
+        c = rank_.candidate(
             job.layout,
             job.exact,
             job.rejected,
-            _CACHE.get(job.key) if job.key is not None else None,
+            batch_proxies.measured(job),
             None if job.small is None else (job.small, job.placed),  # type: ignore[arg-type]
             job.where,
             budget_bytes,
@@ -181,7 +191,12 @@ def auto_plan(
             flops_per_second / loops,
             job.host,
         )
+        raw[id(job.layout)] = c.compute_time or 0.0
+        c = stages_.timed(c, job.layout, flops, n, flops_per_second, ratio)
+        return remat_.with_choices(c, job.layout, stages_.options(job.layout))
 
+    batch_proxies.measure(problem, problem_key, work, local, progress)
+    batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
     candidates = [row(job) for job in work]
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
@@ -205,9 +220,38 @@ def auto_plan(
             )
         jobs.measure_all(problem, problem_key, extra, local, progress)
         candidates += [row(job) for job in extra]
+    if paths:
+        pending = [(job.layout, c) for job, c in zip(work, candidates, strict=False)]
+        candidates += skipped
+        for policies in (remat_.FIRST, remat_.THEN):
+            if not offload_.supported(available):
+                policies = tuple(p for p in policies if p != "offload")
+            best = min((c.time for c in candidates if c.fits and c.time), default=None)
+            todo, pruned = remat_.worth(pending, paths, policies, best)
+            for v, c in pruned:
+                row_ = remat_.dominated(v, c, best or 0.0)
+                candidates.append(remat_.with_choices(row_, v, stages_.options(v)))
+            extra = [
+                jobs.place(problem, v, size, reach, available, budget_bytes) for v, _, _ in todo
+            ]
+            jobs.measure_all(problem, problem_key, extra, local, progress)
+            pending = []
+            for job, (v, base, c) in zip(extra, todo, strict=True):
+                first = row(job)
+                ratio = raw[id(v)] / raw[id(base)] if raw.get(id(base)) else 1.0
+                if v.pipeline is not None:  # its compute is the model's, times the recompute
+                    first = row(job, max(ratio, 1.0))
+                links_here = topology.axis_links(v.shape, given, node)
+                made = remat_.described(first, v, c, ratio, budget_bytes, links_here)
+                candidates.append(made)
+                if not made.fits and v.remat[0][1] in remat_.FIRST:
+                    pending.append((base, c))
+            pending = list({id(b): (b, c) for b, c in pending}.values())
     table = rank_.rank(candidates, budget_bytes)
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)
+    by_mesh = {repr(c.mesh_shape): topology.axis_links(c.mesh_shape, given, node) for c in table}
+    table = stages_.why_chosen(table, by_mesh)
     return Plan(
         mesh=_mesh(table[0].mesh_shape, available),
         rules=table[0].rules,
@@ -215,4 +259,6 @@ def auto_plan(
         table=table,
         budget=budget_bytes,
         offload=table[0].offload,
+        remat=table[0].remat,
+        pipeline=table[0].pipeline,
     )

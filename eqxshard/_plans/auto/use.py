@@ -1,5 +1,5 @@
 """Using a `Plan` in one line: its step compiled with the plan's layouts (`Plan.jit`), and a
-model laid out (and, as pipelines and stacked layers come, configured) as the plan chose
+model laid out and its `Stacked` layers configured (remat, pipeline) as the plan chose
 (`Plan.apply`)."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 
+from ..._pipeline.configure import configure, configure_like as configure_like
 from ..._placement.put import filter_put
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
@@ -110,13 +111,14 @@ def jit(
     return PlanStep(step, mesh, rules, batch_spec, donate, offload)
 
 
+def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str], pipeline: Any) -> Any:
+    """`model` with its `Stacked` layers set to the plan's `remat` and `pipeline` (the
+    model itself when the plan chose neither)."""
+    if not remat and pipeline is None:
+        return model
+    return configure(verb, model, remat=remat, pipeline=pipeline, mesh=mesh)
+
+
 def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str], pipeline: Any) -> Any:
     """`Plan.apply`, given the plan's concrete mesh, rules and choices."""
-    if remat or pipeline is not None:
-        raise ValueError(
-            f"`Plan.apply` got a plan with remat={remat!r}, pipeline={pipeline!r}: "
-            "these configure stacked layers (`eqxshard.Stacked`), which this version of "
-            "eqxshard does not have. Build the plan without them (`remat={}`, "
-            "`pipeline=None`)."
-        )
-    return filter_shard(model, mesh, rules)
+    return filter_shard(configured("Plan.apply", model, mesh, remat, pipeline), mesh, rules)

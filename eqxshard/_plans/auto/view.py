@@ -60,13 +60,19 @@ def mesh_str(shape: dict[str, int]) -> str:
 
 
 def seconds_str(t: float | None) -> str:
+    """`t` seconds in the unit that shows it with three significant figures or more: a
+    tiny model's step is nanoseconds, never "0.0 us"."""
     if t is None:
         return "-"
+    if t == 0:
+        return "0 s"
     if t >= 1:
         return f"{t:.2f} s"
     if t >= 1e-3:
         return f"{t * 1e3:.2f} ms"
-    return f"{t * 1e6:.1f} us"
+    if t >= 1e-6:
+        return f"{t * 1e6:.2f} us"
+    return f"{t * 1e9:.3g} ns"
 
 
 def _bytes(c: CandidateLike, part: str) -> str:

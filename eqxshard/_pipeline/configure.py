@@ -1,0 +1,107 @@
+"""A model's `Stacked` layers found by path and configured: what `Plan.apply` does with a
+plan's `remat` and `pipeline` choices, and how `auto_plan` finds the stacks to plan for."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
+
+from .stacked import Stacked, layer_count
+
+
+def dotted(path: Any) -> str:
+    """A key path as `auto_plan` and `Plan.remat` name a stack: `decoder.blocks`."""
+    parts = []
+    for key in path:
+        for attr in ("name", "idx", "key"):
+            if hasattr(key, attr):
+                parts.append(str(getattr(key, attr)))
+                break
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def _is_stacked(x: Any) -> bool:
+    return isinstance(x, Stacked)
+
+
+def stacks(model: Any) -> dict[str, Stacked]:
+    """Every `Stacked` of `model` by its dotted path (`""` for a model that is one), in
+    tree order; stacks nested inside a stack's blocks are not looked into."""
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_stacked)[0]
+    return {dotted(path): leaf for path, leaf in found if isinstance(leaf, Stacked)}
+
+
+def layers(stack: Stacked) -> int:
+    """The layer count of `stack`, also of an abstract one (`jax.ShapeDtypeStruct`s)."""
+    return layer_count(stack.blocks, argname="blocks", verb="Stacked")
+
+
+def configure(
+    verb: str,
+    model: Any,
+    *,
+    remat: dict[str, str],
+    pipeline: dict[str, Any] | None,
+    mesh: Mesh | AbstractMesh,
+) -> Any:
+    """`model` with each `Stacked` rebuilt with the policy `remat` gives its path (others
+    keep theirs) and, with `pipeline` (`{"axis", "microbatches", "repeats"}`), pipelined
+    over `mesh`; raises `ValueError` for paths of `remat` that are not stacks, and for a
+    `pipeline` on a model without one."""
+    found = stacks(model)
+    unknown = sorted(set(remat) - set(found))
+    if unknown or (pipeline is not None and not found):
+        have = ", ".join(repr(p) for p in found) or "none"
+        what = f"`remat` names {unknown}" if unknown else "a `pipeline` is chosen"
+        raise ValueError(
+            f"`{verb}` got a plan where {what}, but the model's `eqxshard.Stacked` layers "
+            f"are at: {have}. Apply the plan to the model it was made for, or build the "
+            "plan with `remat` keys among these paths (and `pipeline=None` without stacks)."
+        )
+
+    def rebuilt(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, Stacked):
+            return leaf
+        options: dict[str, Any] = dict(remat=remat.get(dotted(path), leaf.remat))
+        if pipeline is not None:
+            options |= dict(pipeline, mesh=mesh)
+        elif leaf.axis is not None:
+            options |= dict(
+                axis=leaf.axis,
+                microbatches=leaf.microbatches,
+                repeats=leaf.repeats,
+                mesh=leaf.mesh,
+            )
+        return Stacked(leaf.blocks, **options)
+
+    return jax.tree_util.tree_map_with_path(rebuilt, model, is_leaf=_is_stacked)
+
+
+def _node(stack: Stacked) -> Any:
+    """The structure of `stack` itself: its settings, with its blocks as one leaf."""
+    return jax.tree_util.tree_structure(stack, is_leaf=lambda x: x is not stack)
+
+
+def configure_like(tree: Any, model: Any) -> Any:
+    """`tree` (e.g. an optimiser state holding the model's parameters, `mu.blocks`) with
+    each `Stacked` in it given the settings of the stack of `model` whose path ends its
+    own, so that its structure matches the configured model's again. Its blocks are kept
+    as they are (they may be `None`s or masks: nothing is checked)."""
+    found = stacks(model)
+    if not found:
+        return tree
+
+    def rebuilt(path: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, Stacked):
+            return leaf
+        where = dotted(path)
+        for p, stack in found.items():
+            if where == p or where.endswith("." + p) or not p:
+                return jax.tree_util.tree_unflatten(_node(stack), [leaf.blocks])
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(rebuilt, tree, is_leaf=_is_stacked)

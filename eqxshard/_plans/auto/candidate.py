@@ -1,0 +1,61 @@
+"""A row of `Plan.table`: one layout `auto_plan` weighed, with its figures and verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One layout `auto_plan` tried: a row of `Plan.table`.
+
+    - `rank`: its place in the table (1 is the chosen plan); fitting candidates come first,
+        fastest first, then those that do not fit, smallest first.
+    - `name`: the rule family: `DP` (parameters replicated), `FSDP`, `TP` (tensor
+        parallel), products of these (`FSDP x TP`), or `rules[k]` for the user's `k`th rule.
+    - `mesh_shape`: axis name -> size (size-1 axes dropped).
+    - `rules`: the rule, usable as any `spec` (its `repr` is Python to paste and edit).
+    - `bytes`: bytes per device by part: `parameters`, `gradients` (with an optimiser;
+        less what the compiled step never holds at once, where XLA fused the update into
+        the backward pass), `optimizer state` (0 when offloaded), `batch`, `activations`
+        (with every other temporary).
+    - `total_bytes`: bytes per device of the whole compiled step (arguments, outputs
+        less what they reuse by donation, temporaries); `None` if it could not be built.
+    - `collectives`: bytes each device sends per step, by kind (`all-reduce`,
+        `all-gather`, `reduce-scatter`, `all-to-all`, `collective-permute`).
+    - `communication_time`, `compute_time`, `time`: estimated seconds per step (the
+        alpha-beta model over the axes' links; flops over `flops_per_second`; their sum,
+        with `host_time`).
+    - `fits`: whether `total_bytes` is within the budget.
+    - `estimated`: whether the figures come from a smaller mesh (see `measured_on`).
+    - `measured_on`: where the figures come from: `compiled here`, `compiled in a
+        subprocess with N CPU devices`, or the smaller mesh they are scaled from.
+    - `reason`: why it was chosen or not (over budget by how much, how much slower).
+    - `offload`: the parts held in pinned host memory between steps (`("optimizer
+        state",)` or `()`); their bytes per device are `host_bytes` (not in
+        `total_bytes`, which is device memory), and moving them in and out over the
+        `host` link takes `host_time` seconds per step (part of `time`).
+    - `remat`: the rematerialisation policy of each `Stacked` layer by path (`{}`: none).
+    - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
+    """
+
+    rank: int
+    name: str
+    mesh_shape: dict[str, int]
+    rules: Any
+    bytes: dict[str, int]
+    total_bytes: int | None
+    collectives: dict[str, int]
+    communication_time: float | None
+    compute_time: float | None
+    time: float | None
+    fits: bool
+    estimated: bool
+    measured_on: str
+    reason: str
+    offload: tuple[str, ...] = ()
+    host_bytes: int = 0
+    host_time: float = 0.0
+    remat: dict[str, str] = dataclasses.field(default_factory=dict)
+    pipeline: dict[str, Any] | None = None

@@ -1,0 +1,133 @@
+"""`auto_plan` on a model with `eqxshard.Stacked` layers: remat policies and a stage axis
+are searched, pruned by arithmetic before compiling, and the chosen plan's `plan.jit(step)`
+is what the table says (bytes per device within 1%) and trains as one device does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import stacked_decoder as sd
+
+import eqxshard
+from eqxshard._plans.auto import remat as remat_
+from eqxshard._plans.auto.candidates import Layout
+
+SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
+
+
+def _make(layers):
+    return lambda key: sd.make(key, width=32, hidden=512, layers=layers)
+
+
+def _total(memory) -> int:
+    m = memory
+    return (
+        m.argument_size_in_bytes
+        + m.output_size_in_bytes
+        - m.alias_size_in_bytes
+        + m.temp_size_in_bytes
+    )
+
+
+def _check_runs_as_planned(plan, make):
+    """`plan.jit(step)` compiles to the table's bytes per device, and trains as one device."""
+    model, state = plan.init(make, sd.OPTIMIZER)(jax.random.key(0))
+    batch = sd.data(batch=16, tokens=32)
+    train_step = plan.jit(sd.step)
+    compiled = train_step.lower(model, state, batch).compile()
+    total = _total(compiled.memory_analysis())
+    assert abs(total - plan.chosen.total_bytes) <= 0.01 * total
+    one = make(jax.random.key(0))
+    one_state = sd.OPTIMIZER.init(eqx.filter(one, eqx.is_array))
+    one_step = eqx.filter_jit(sd.step)
+    for _ in range(2):
+        model, state, loss = train_step(model, state, batch)
+        one, one_state, one_loss = one_step(one, one_state, batch)
+        np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tight():
+    # Three layers do not split over two stages: only remat can make this model fit.
+    model = _make(3)(jax.random.key(0))
+    options: dict[str, Any] = dict(devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False)
+    return eqxshard.auto_plan(sd.step, model, sd.shapes(batch=16, tokens=32), **options)
+
+
+@pytest.mark.heavy
+def test_remat_makes_a_model_fit_that_no_layout_fits_without(tight):
+    plain = [c for c in tight.table if not c.remat and c.pipeline is None]
+    assert plain and all(not c.fits for c in plain)
+    assert all(c.total_bytes is not None for c in plain)  # compiled, and over
+    chosen = tight.chosen
+    assert chosen.fits and chosen.remat == {"blocks": chosen.remat["blocks"]}
+    assert chosen.remat["blocks"] in ("dots", "full", "offload")
+    assert tight.remat == chosen.remat and tight.pipeline is None
+    assert f"remat {chosen.remat['blocks']} on `blocks`: fits with" in chosen.reason
+    assert "without it" in chosen.reason and "more flops" in chosen.reason
+    # Full remat recomputes the forward pass: its compiled flops are higher.
+    full = next(c for c in tight.table if c.remat.get("blocks") == "full" and c.time)
+    assert "recomputes 0% more flops" not in full.reason
+    _check_runs_as_planned(tight, _make(3))
+
+
+def test_remat_variants_are_pruned_by_arithmetic():
+    layout = Layout("DP", {"data": 2}, None)
+    slow = eqxshard.Candidate(
+        rank=0,
+        name="DP",
+        mesh_shape={"data": 2},
+        rules=None,
+        bytes={"activations": 10},
+        total_bytes=10,
+        collectives={},
+        communication_time=1.0,
+        compute_time=1.0,
+        time=2.0,
+        fits=False,
+        estimated=False,
+        measured_on="compiled here",
+        reason="",
+    )
+    fitting = Layout("FSDP", {"fsdp": 2}, None)
+    fits = eqxshard.Candidate(**{**slow.__dict__, "name": "FSDP", "fits": True})
+    todo, pruned = remat_.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 1.0)
+    assert todo == [] and [v.name for v, _ in pruned] == ["DP + remat dots"]
+    row = remat_.dominated(pruned[0][0], slow, 1.0)
+    assert row.reason.startswith("not compiled: dominated, remat dots only adds to 2.00 s per step")
+    assert row.remat == {"blocks": "dots"} and row.total_bytes is None
+    todo, pruned = remat_.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 3.0)
+    assert [v.name for v, _, _ in todo] == ["DP + remat dots"] and pruned == []
+
+
+@pytest.mark.heavy
+def test_a_generous_budget_chooses_no_remat_offload_or_stages():
+    model = _make(4)(jax.random.key(0))
+    options: dict[str, Any] = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)
+    plan = eqxshard.auto_plan(sd.step, model, sd.shapes(batch=16, tokens=8), **options)
+    assert plan.remat == {} and plan.offload == () and plan.pipeline is None
+    assert any(c.pipeline is not None and c.time is not None for c in plan.table)
+    assert all(not c.remat for c in plan.table)  # everything fits: remat is never tried
+
+
+@pytest.mark.heavy
+def test_stages_win_when_the_other_axes_are_slow():
+    model = _make(4)(jax.random.key(0))
+    links = {"data": SLOW, "fsdp": SLOW, "model": SLOW}
+    options: dict[str, Any] = dict(devices=2, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False)
+    plan = eqxshard.auto_plan(
+        sd.step, model, sd.shapes(batch=16, tokens=32), links=links, **options
+    )
+    assert plan.pipeline is not None and plan.pipeline["axis"] == "stage"
+    assert plan.mesh.shape["stage"] == 2 and plan.remat == {}
+    chosen = plan.chosen
+    assert "2 stages x" in chosen.reason and "bubble" in chosen.reason
+    assert "chosen because DP's all-reduces" in chosen.reason
+    assert "cross links of 0.1 GB/s" in chosen.reason
+    skipped = [c for c in plan.table if c.measured_on == "not compiled" and c.pipeline]
+    assert skipped and all("dominated by 2 stages x" in c.reason for c in skipped)
+    _check_runs_as_planned(plan, _make(4))

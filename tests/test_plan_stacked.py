@@ -1,0 +1,94 @@
+"""`plan.apply` / `plan.init` / `plan.shard` configure every `eqxshard.Stacked` with the
+plan's remat and pipeline choices: the configured model computes what the unconfigured one
+does (values and gradients), and its programs show the remat and the pipeline."""
+
+from __future__ import annotations
+
+import re
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import stacked_decoder as sd
+from jax.sharding import PartitionSpec as P
+
+import eqxshard
+
+PIPELINE = {"axis": "stage", "microbatches": 4, "repeats": 1}
+
+
+def _plan(**choices):
+    rules = eqxshard.first(eqxshard.stages("stage", path=r"blocks\..*"), P())
+    return eqxshard.Plan(mesh={"stage": 2, "data": 2}, rules=rules, batch_spec=P("data"), **choices)
+
+
+def _remat_in_jaxpr(model, batch) -> bool:
+    """Whether the loss's jaxpr has a `jax.checkpoint` (`remat2` or `checkpoint`, by JAX
+    version)."""
+    text = str(eqx.filter_make_jaxpr(sd.loss_fn)(model, batch)[0])
+    return re.search(r"= (remat2|checkpoint)\[", text) is not None
+
+
+@pytest.mark.parametrize(
+    "choices",
+    [
+        {"remat": {"blocks": "dots"}},
+        pytest.param({"remat": {"blocks": "full"}, "pipeline": PIPELINE}, marks=pytest.mark.heavy),
+        pytest.param({"pipeline": dict(PIPELINE, repeats=2)}, marks=pytest.mark.heavy),
+    ],
+    ids=["remat", "remat+gpipe", "circular"],
+)
+def test_apply_configures_the_stacks_and_computes_the_same(choices):
+    plan = _plan(**choices)
+    model = sd.make(jax.random.key(0))
+    batch = sd.data()
+    configured = plan.apply(model)
+    stack = configured.blocks
+    assert stack.remat == choices.get("remat", {}).get("blocks", "none")
+    pipeline = choices.get("pipeline")
+    assert stack.axis == (pipeline and pipeline["axis"])
+    assert stack.microbatches == (pipeline and pipeline["microbatches"])
+    assert stack.repeats == (pipeline["repeats"] if pipeline else 1)
+    assert model.blocks.remat == "none" and model.blocks.axis is None  # not changed in place
+    # The layer dim is split over the stages, the other leaves replicated.
+    assert configured.blocks.blocks.up.weight.sharding.spec == P("stage")
+    np.testing.assert_allclose(
+        jax.vmap(configured)(batch[0]), jax.vmap(model)(batch[0]), rtol=1e-5, atol=1e-6
+    )
+    got = eqx.filter_grad(sd.loss_fn)(configured, batch)
+    want = eqx.filter_grad(sd.loss_fn)(model, batch)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    # What the program shows: `jax.checkpoint` around each layer, collective permutes
+    # between the stages.
+    assert _remat_in_jaxpr(configured, batch) == ("remat" in choices)
+    assert not _remat_in_jaxpr(model, batch)
+    state = sd.OPTIMIZER.init(eqx.filter(configured, eqx.is_array))
+    text = plan.jit(sd.step).lower(configured, state, batch).compile().as_text()
+    assert ("collective-permute" in text) == (pipeline is not None)
+
+
+@pytest.mark.heavy
+def test_init_and_shard_configure_too():
+    plan = _plan(remat={"blocks": "dots"}, pipeline=PIPELINE)
+    model, state = plan.init(sd.make, sd.OPTIMIZER)(jax.random.key(0))
+    assert model.blocks.remat == "dots" and model.blocks.axis == "stage"
+    assert model.blocks.mesh is plan.mesh
+    placed, _, _ = plan.shard(sd.make(jax.random.key(0)))
+    assert placed.blocks.remat == "dots" and placed.blocks.microbatches == 4
+    _, _, loss = plan.jit(sd.step)(model, state, sd.data())
+    one = sd.make(jax.random.key(0))
+    np.testing.assert_allclose(loss, sd.loss_fn(one, sd.data()), rtol=1e-5)
+
+
+def test_a_plan_for_other_stacks_is_refused():
+    model = sd.make(jax.random.key(0))
+    with pytest.raises(ValueError, match=r"`remat` names \['layers'\].*at: 'blocks'"):
+        _plan(remat={"layers": "dots"}).apply(model)
+    mlp = eqx.nn.MLP(8, 8, 8, 1, key=jax.random.key(0))
+    piped = eqxshard.Plan(mesh={"stage": 2}, rules=P(), batch_spec=P(), pipeline=PIPELINE)
+    with pytest.raises(ValueError, match=r"plan where a `pipeline` is chosen.*at: none"):
+        piped.apply(mlp)
+    with pytest.raises(ValueError, match=r"`Plan.shard` got a plan where `remat` names"):
+        _plan(remat={"layers": "dots"}).shard(model)
