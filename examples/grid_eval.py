@@ -41,7 +41,8 @@ def evaluate(model: eqx.nn.MLP, point: jax.Array) -> jax.Array:
 
 def temp_mb(fun, model: eqx.nn.MLP, points: jax.Array) -> float:
     """Temporaries of `fun(model, points)` once compiled, by `memory_analysis()`."""
-    compiled = eqxshard.filter_jit(fun).lower(model, points).compile()
+    jitted = eqxshard.filter_jit(fun)
+    compiled = jitted.lower(model, points).compile()  # pyright: ignore[reportFunctionMemberAccess]
     return compiled.memory_analysis().temp_size_in_bytes / 1e6
 
 
@@ -90,6 +91,7 @@ def main() -> None:
     sharded_values = run_sharded(replicated_model, sharded_points).block_until_ready()
     start = time.perf_counter()
     sharded_values = run_sharded(replicated_model, sharded_points).block_until_ready()
+    assert isinstance(sharded_values.sharding, NamedSharding)
     print(
         f"{n} devices: {time.perf_counter() - start:.2f} s, output sharding "
         f"{sharded_values.sharding.spec}"

@@ -99,8 +99,10 @@ rtol = matmul_rtol()
 # "auto" measures the program it is compiled into: under `jit(vmap(jac))`, the batched one.
 jac = eqxshard.filter_jacrev(model, batch_size="auto", memory_budget=budget)
 chunked = compiled(batched(jac), *args)
-temps = chunked.memory_analysis().temp_size_in_bytes
-(rows,) = jac.auto.cache.values()
+analysis = chunked.memory_analysis()
+assert analysis is not None
+temps = analysis.temp_size_in_bytes
+(rows,) = jac.auto.cache.values()  # pyright: ignore[reportFunctionMemberAccess]
 print(f"filter_jacrev(batch_size='auto'): {rows} rows at a time, {temps:,} bytes")
 print(f"<= budget: {temps <= budget}")
 assert temps <= budget
@@ -121,5 +123,6 @@ sharded = compiled(batched(eqxshard.filter_jacrev(model, batch_size=devices, mes
 d_input = sharded(*args)[1]
 np.testing.assert_allclose(d_input, expected[1], rtol=rtol, atol=rtol)
 hlo = sharded.as_text()
+assert hlo is not None
 gathers = "all-gather" in hlo
 print(f"sharded over {devices} devices:", d_input.sharding.spec, "all-gather in HLO:", gathers)

@@ -22,7 +22,7 @@ import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
 
@@ -88,6 +88,7 @@ def main() -> int:
         model, opt_state, loss = train_step(model, opt_state, x, y)
         losses.append(float(loss))
         if step == 0:
+            assert isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
             rows = x.addressable_shards[0].data.shape
             print(f"batch {x.shape} laid out as {x.sharding.spec}: each device holds {rows}")
         if (step + 1) % PRINT_EVERY == 0:

@@ -26,7 +26,7 @@ import optax  # noqa: E402
 # The model, its loss and the synthetic data are the same in the tensor-parallel example
 # (train_tensor_parallel.py); they live in _transformer.py, next to this script.
 from _transformer import Transformer, loss_fn, make_batch  # noqa: E402
-from jax.sharding import AxisType, PartitionSpec as P  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
 
@@ -83,6 +83,7 @@ def main() -> int:
             print(f"step {step:3d}  loss {losses[-1]:.4f}")
 
     weight = model.blocks[0].mlp_up.weight
+    assert isinstance(weight.sharding, NamedSharding)
     print(f"blocks.0.mlp_up.weight {weight.shape} is laid out as {weight.sharding.spec}")
     first, final = losses[0], losses[-1]
     if STEPS < FULL_STEPS:

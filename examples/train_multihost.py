@@ -41,7 +41,7 @@ FEATURES, WIDTH, DEPTH, SEED = 8, 32, 2, 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=str(__doc__).splitlines()[0])
     parser.add_argument("--steps", type=int, default=60, help="train until this step")
     parser.add_argument("--batch-size", type=int, default=64, help="global batch size")
     parser.add_argument("--learning-rate", type=float, default=5e-3)

@@ -60,3 +60,40 @@ def test_a_function_that_cannot_be_hashed_gets_a_cache_of_its_own():
     for _ in range(2):
         jac = eqxshard.filter_jacfwd(mlp, batch_size=2)(x)
         np.testing.assert_allclose(jac, jax.jacfwd(mlp)(x), rtol=1e-5, atol=1e-6)
+
+
+def _closure():
+    """A function closing over an array, and a weak reference to that array."""
+    import weakref
+
+    weights = jnp.linspace(0.0, 1.0, 16)
+
+    def fun(x):
+        return jnp.sum(jnp.sin(x * weights) ** 3)
+
+    return fun, weakref.ref(weights)
+
+
+@pytest.mark.parametrize("verb", list(VERBS))
+@pytest.mark.parametrize(("batch_size", "on_mesh"), [(3, False), ("auto", False), (8, True)])
+def test_the_shared_cache_keeps_no_function_or_closed_over_array_alive(verb, batch_size, on_mesh):
+    import gc
+    import weakref
+
+    make = VERBS[verb][0]
+    options: dict = {"batch_size": batch_size}
+    if batch_size == "auto":
+        options["memory_budget"] = 1e6
+    if on_mesh:
+        options["mesh"] = jax.make_mesh((8,), ("data",))
+    fun, dead_weights = _closure()
+    made = make(fun, **options)
+    out = made(jnp.arange(16.0))
+    again = make(fun, **options)(jnp.arange(16.0))  # the same function: its programs shared
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+    dead_fun = weakref.ref(fun)
+    del fun, made, out, again
+    jax.clear_caches()  # JAX's own caches keep the constants of what they traced
+    gc.collect()
+    assert dead_fun() is None
+    assert dead_weights() is None

@@ -2,6 +2,7 @@
 `eqx.filter_jit` and `eqxshard.filter_jit`, with the same results), then layouts,
 donation, and errors."""
 
+import contextlib
 import warnings
 
 import equinox as eqx
@@ -283,8 +284,12 @@ def test_program_equals_hand_written_jit(axis_type):
     placed, x = eqxshard.filter_shard((params, x), (plan, rows))
     # `filter_jit` is typed as Equinox types its own: a callable like `fun` (no `.lower`).
     lower = ours.lower  # pyright: ignore[reportFunctionMemberAccess]
-    assert _hlo(lower(placed, x)) == _hlo(hand.lower(placed, x))
-    assert _compiled_hlo(lower(placed, x)) == _compiled_hlo(hand.lower(placed, x))
+    # On Explicit axes `filter_jit` traces with its mesh in context, as `jax.set_mesh` does
+    # for a hand-written `jit` (jax >= 0.11 then constrains more of the program).
+    with jax.set_mesh(mesh) if axis_type == AxisType.Explicit else contextlib.nullcontext():
+        hand_lowered = hand.lower(placed, x)
+    assert _hlo(lower(placed, x)) == _hlo(hand_lowered)
+    assert _compiled_hlo(lower(placed, x)) == _compiled_hlo(hand_lowered)
     value, new = ours(jtu.tree_map(jnp.copy, placed), x)
     want_value, want = hand(jtu.tree_map(jnp.copy, placed), x)
     assert value.sharding.is_equivalent_to(replicated, 0)
@@ -547,3 +552,84 @@ def test_donating_method_decorated_in_the_class_body(jit):
     _, new = new(jnp.ones(2))
     assert n == 1 and m.buffer.is_deleted() and new.buffer[0] == 2
     assert new.buffer.unsafe_buffer_pointer() == pointer
+
+
+@JITS
+def test_donating_a_bound_method_deletes_its_module_as_equinox_does(jit):
+    # `donate="all"` donates the arrays of `fun` itself, as `eqx.filter_jit` does: the
+    # module a method is bound to is gone after the first call.
+    class M(eqx.Module):
+        w: jax.Array
+
+        def scale(self, x):
+            return self.w * x
+
+    m = M(jnp.ones(3))
+    step = jit(m.scale, donate="all")
+    np.testing.assert_array_equal(step(jnp.ones(())), np.ones(3))
+    assert m.w.is_deleted()
+    if jit is _filter_jit:  # a donate tree over the arguments keeps the arrays of `fun`
+        m, x = M(jnp.ones(3)), jnp.ones(3)
+        _filter_jit(m.scale, donate=(True,))(x)
+        assert not m.w.is_deleted() and x.is_deleted()
+
+
+def test_calling_again_with_donated_arrays_names_them():
+    class M(eqx.Module):
+        w: jax.Array
+
+        def scale(self, x):
+            return self.w * x
+
+        @_filter_jit(donate="all")
+        def __call__(self, x):
+            return self.w * x
+
+    m = M(jnp.ones(3))
+    step = _filter_jit(m.scale, donate="all")
+    step(jnp.ones(()))
+    with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*<fun>.*\.w  shape \(3,\)"):
+        step(jnp.ones(()))
+    m = M(jnp.ones(3))
+    m(jnp.ones(()))
+    with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*\[0\]\.w(.|\n)*all-except"):
+        m(jnp.ones(()))
+
+    class Kept(eqx.Module):  # `"all-except-first"` keeps `self`, the first argument
+        w: jax.Array
+
+        @_filter_jit(donate="all-except-first")
+        def __call__(self, x):
+            return self.w * x
+
+    kept = Kept(jnp.ones(3))
+    kept(jnp.ones(()))
+    kept(jnp.ones(()))
+    assert not kept.w.is_deleted()
+
+
+def test_a_step_is_traced_with_its_explicit_mesh_in_context():
+    # jax >= 0.11 looks Explicit axes up in the context mesh (an `Embedding` lookup of a
+    # split batch failed with "Resource axis: data ... not found in mesh: ()" there).
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    seen = []
+
+    def f(x):
+        seen.append(jax.sharding.get_abstract_mesh())
+        return x * 2
+
+    for kind in (AxisType.Explicit, AxisType.Auto):
+        seen.clear()
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+        out = _filter_jit(f, in_shardings=P("data"), mesh=mesh)(jnp.ones(16))
+        np.testing.assert_array_equal(out, np.full(16, 2.0))
+        if kind == AxisType.Explicit:  # (Auto axes are left as `jax.jit` leaves them)
+            assert seen[0].axis_names == ("data",) and seen[0].axis_types == (kind,)
+    # A mesh the caller set stays the one in context.
+    explicit = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+    two = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    seen.clear()
+    with jax.set_mesh(two):
+        _filter_jit(f, mesh=explicit)(jnp.ones(16))
+    assert seen[0].axis_names == ("a", "b")

@@ -83,3 +83,22 @@ def test_describe_of_a_tree_of_rules_asks_the_rule_that_placed_each_leaf() -> No
     assert first(fsdp("data")).replicated_because((), jnp.ones(()), mesh) == (
         "fsdp(axis='data', min_size=16384): scalars"
     )
+
+
+def test_logical_reasons() -> None:
+    mesh = make_mesh("auto", shape=(1, 8), names=("data", "model"))
+    tree = {"a": jnp.ones((8, 8)), "b": jnp.ones((8, 8)), "c": jnp.ones((8, 8)), "d": jnp.ones(8)}
+    rules = path_rules([("a", P("embed", None)), ("b", P("batch")), ("c", P()), ("d", P("mlp"))])
+    mapping = {"embed": None, "batch": "data", "mlp": "model"}
+    table = describe(tree, mesh, eqxshard.logical(rules, mapping))
+    who = f"logical(..., {mapping!r})"
+    assert table.left_replicated == {
+        f"{who}: logical names ['embed'] map to no mesh axis": (1, 256),
+        f"{who}: mesh axes ['data'] have size 1": (1, 256),
+        f"{who}: no logical name for any dim": (1, 256),
+    }  # "d" is split over "model": no reason
+    # A spec with no names from a rule that says why: that rule's reason.
+    small = describe({"w": jnp.ones((8, 4))}, mesh, eqxshard.logical(fsdp("model"), {}))
+    assert small.left_replicated == {
+        "fsdp(axis='model', min_size=16384): fewer than `min_size` elements": (1, 128)
+    }

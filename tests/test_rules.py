@@ -72,7 +72,8 @@ def test_path_rules_match_the_whole_path() -> None:
     mesh = make_mesh("explicit")
     # "weight" alone matches no whole path; ".*weight" does.
     rules = path_rules([(r"weight", P("data")), (r".*weight", P(None, "model")), (r".*", P())])
-    got = specs(filter_plan(mlp(), mesh, rules))
+    with pytest.warns(UserWarning, match=r"gave no leaf its spec: path_rules pattern 'weight'\."):
+        got = specs(filter_plan(mlp(), mesh, rules))
     assert got["layers.0.weight"] == P(None, "model")
 
 
@@ -377,3 +378,44 @@ def test_reprs_read_like_the_calls() -> None:
     rule = path_rules([(r"a", P())]) | fsdp("data", min_size=0)
     assert "path_rules(" in repr(rule) and "fsdp(axis='data', min_size=0)" in repr(rule)
     assert "logical(" in repr(logical(P("x"), {"x": None}))
+
+
+def test_a_pattern_that_gives_no_leaf_its_spec_is_a_warning_alone_and_inside_first() -> None:
+    import warnings
+
+    mesh = make_mesh("auto")
+    model = mlp()
+    typo = r"layers\.\d+\.wieght"
+    alone = path_rules([(typo, P("data")), (r".*", P())])
+    shadowed = path_rules([(r".*", P()), (r".*weight", P("data"))])  # `.*` took every leaf
+    wanted = {
+        "alone": (alone, [typo]),
+        "first": (path_rules([(typo, P("data"))]) | fsdp("data"), [typo]),
+        "after a rule that took every leaf": (
+            fsdp("data") | path_rules([(".*bias", P())]),
+            [".*bias"],
+        ),
+        "shadowed": (shadowed, [".*weight"]),
+        "logical": (logical(path_rules([(typo, P("x"))]), {"x": "data"}) | P(), [typo]),
+        "a tree inside first": (first({"layers": path_rules([(typo, P())])}, P()), [typo]),
+        "a spec tree": ((path_rules([(typo, P())]) | P(), None), [typo]),
+    }
+    for name, (spec, patterns) in wanted.items():
+        tree = (model, model) if isinstance(spec, tuple) else model
+        with pytest.warns(UserWarning) as caught:
+            filter_plan(tree, mesh, spec)
+        message = str(caught[0].message)
+        assert len(caught) == 1
+        assert "`filter_plan`: these parts of the `spec` rules gave no" in message
+        for pattern in patterns:
+            assert f"path_rules pattern {pattern!r}" in message, name
+    # Every pattern used (an unused catch-all is a safeguard, not a typo): no warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        filter_plan(model, mesh, path_rules([(r".*", P())]) | fsdp("data"))
+        filter_plan(model, mesh, path_rules([(r".*weight", P()), (r".*bias", P()), (".*", P())]))
+        eqxshard.filter_shard(model, mesh, path_rules([(r".*weight", P())]) | P())
+        # `describe` is asked about parts of a model with the whole's rule: no warning.
+        eqxshard.describe(model.layers[0], mesh, path_rules([(r"layers\.0\.w.*", P())]) | P())
+    with pytest.warns(UserWarning, match=r"`filter_shard`: (.|\n)*'nothing'"):
+        eqxshard.filter_shard(model, mesh, path_rules([("nothing", P())]) | P())

@@ -48,6 +48,7 @@ from .meshes import (
     spec_entries as spec_entries,
     spec_reductions as spec_reductions,
     spec_str as spec_str,
+    tracing_on as tracing_on,
     vmapped_mesh_axes as vmapped_mesh_axes,
 )
 from .processes import (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -51,6 +52,20 @@ def context_abstract_mesh() -> AbstractMesh | None:
     """The abstract mesh currently in context, or `None`."""
     abstract = jax.sharding.get_abstract_mesh()
     return None if abstract.empty else abstract
+
+
+def tracing_on(mesh: Mesh | AbstractMesh | None) -> Any:
+    """A context in which a function traced for `mesh` finds it: `mesh`'s abstract mesh
+    where it has Explicit axes and no mesh is set (jax >= 0.11 looks an Explicit axis up
+    there, and an op such as an `Embedding`'s lookup otherwise fails with "Resource axis
+    ... is not found in mesh: ()"); a context that does nothing otherwise."""
+    if (
+        mesh is None
+        or AxisType.Explicit not in tuple(mesh.axis_types)
+        or not jax.sharding.get_abstract_mesh().empty
+    ):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(abstract_mesh_of(mesh))
 
 
 def abstract_mesh_of(mesh: Mesh | AbstractMesh) -> AbstractMesh:

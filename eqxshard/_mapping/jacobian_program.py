@@ -5,7 +5,6 @@ and pushing it through `f` in chunks (`basis.pushed`), optionally split over a m
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +23,7 @@ from .budget import AutoBatchSize, check_memory_budget
 from .chunks import check_batch_size
 from .jacobian_dtypes import check_inputs, check_outputs, like
 from .programs import Programs
+from .shared import Slot, shared
 
 
 def _check_options(
@@ -184,6 +184,11 @@ class _Jac(eqx.Module):
     auto: AutoBatchSize | None
     name: str
     programs: Programs  # the chunked program, compiled once per shapes for eager calls
+    slot: Slot | None  # where shared `programs` find `fun` while they run (not holding it)
+
+    def shared_key(self, fun_key: Callable[[Any], Any]) -> tuple:
+        """This verb's key as the function of another (`filter_hessian`'s outer one)."""
+        return (self.name, self.rev, fun_key(self.fun), self.has_aux, self.batch_size)
 
     def __call__(self, x: Any, /, *args: Any, **kwargs: Any) -> Any:
         all_args, me = (x, args, kwargs), self
@@ -226,8 +231,18 @@ class _Jac(eqx.Module):
         assert not isinstance(batch_size, str)
         if (batch_size is None and self.mesh is None) or tracing():
             return _run(self, batch_size, all_args)  # inlined in what is being traced
-        # Eager: one compiled program per statics and shapes, as `eqx.filter_jit`.
-        return self.programs(self, batch_size, all_args)
+        # Eager: one compiled program per statics and shapes, as `eqx.filter_jit`. The
+        # programs (shared by the verbs of equal functions) see `fun` through the slot
+        # only while they run, so that they keep neither it nor what it closes over.
+        slot = self.slot
+        if slot is None:  # programs of this verb's own: `fun`'s arrays are their inputs
+            return self.programs(self, batch_size, all_args)
+        me = eqx.tree_at(lambda j: j.fun, self, slot)
+        slot.fun = self.fun
+        try:
+            return me.programs(me, batch_size, all_args)
+        finally:
+            slot.fun = None
 
 
 def _auto_copy(mesh: Mesh) -> Mesh:
@@ -258,32 +273,6 @@ def _make(
     if not callable(fun):
         raise TypeError(f"`{name}(fun)` must be callable, got {type(fun).__name__}.")
     axes = _check_options(name, batch_size, memory_budget, mesh, axis)
-    programs, auto = _shared((name, rev, fun, has_aux, batch_size, memory_budget, mesh, axes))
-    return _Jac(fun, has_aux, rev, batch_size, mesh, axes, auto, name, programs)
-
-
-# The compiled programs (and chosen chunk sizes) of each Jacobian verb made before, by its
-# function and options: `filter_hessian(f, batch_size=3)(x)` written out at every call (as
-# `jax.hessian(f)(x)` is) compiles once per input signature, not at every call (jax#7621).
-# A function that is not hashable (a module holding arrays) gets a cache of its own.
-_SHARED: OrderedDict[Any, tuple[Programs, AutoBatchSize | None]] = OrderedDict()
-_SHARED_SIZE = 64
-
-
-def _shared(key: tuple) -> tuple[Programs, AutoBatchSize | None]:
-    name, _, _, _, batch_size, memory_budget, _, _ = key
-    try:
-        found = _SHARED.get(key)
-        hashable = True
-    except TypeError:
-        found, hashable = None, False
-    if found is None:
-        auto = AutoBatchSize(name, memory_budget) if batch_size == "auto" else None
-        found = (Programs(_run), auto)
-        if hashable:
-            _SHARED[key] = found
-            while len(_SHARED) > _SHARED_SIZE:
-                _SHARED.popitem(last=False)
-    else:
-        _SHARED.move_to_end(key)
-    return found
+    key = (name, rev, fun, has_aux, batch_size, memory_budget, mesh, axes)
+    programs, auto, slot = shared(key, _run)
+    return _Jac(fun, has_aux, rev, batch_size, mesh, axes, auto, name, programs, slot)

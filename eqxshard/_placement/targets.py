@@ -5,6 +5,7 @@ them, a callable, a rule) and the checks made before anything moves.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +142,7 @@ def resolve_here(
     ambient: list[Any] = []  # looked up once, on first use
     replicated = PartitionSpec()  # one object for every leaf given no spec
     rule_errors: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+    asked: dict[int, tuple[Any, list[tuple[Any, Any, Any]]]] = {}  # each rule's leaves
 
     def where(i: int) -> str:  # paths only for error rows: most calls never need them
         return pathstr(flat.paths[i])
@@ -170,6 +172,9 @@ def resolve_here(
             if mesh is None:
                 type_errors.append((where(i), f"a rule `spec` was given with target {_short(t)}"))
                 continue
+            owner = getattr(s.rule, "__self__", None)  # the rule, asked for `unused` below
+            if getattr(owner, "unused", None) is not None:
+                asked.setdefault(id(owner), (owner, []))[1].append((s.path, flat.leaves[i], mesh))
             try:
                 s = s.rule(s.path, flat.leaves[i], mesh)
             except RuleError as e:  # gathered, so that one error lists every such leaf
@@ -228,6 +233,7 @@ def resolve_here(
     if rule_errors:  # the first kind of rule failure, with every leaf that has it
         (header, fix), rows = next(iter(rule_errors.items()))
         raise ValueError(leaf_error(f"`{verb}` {header}", rows, fix))
+    _warn_unused(verb, asked)
     layouts.update((i, (s.mesh, s.spec)) for i, s in out.items() if isinstance(s, NamedSharding))
     shapes = multihost.global_shapes(flat, layouts, process_local=process_local)
     check_specs(verb, flat, layouts, shapes)
@@ -243,6 +249,26 @@ def resolve_here(
                 built[key] = NamedSharding(mesh, spec)
             out[i] = built[key]
     return out
+
+
+def _warn_unused(verb: str, asked: dict[int, tuple[Any, list[tuple[Any, Any, Any]]]]) -> None:
+    """Warns for the parts of each rule that gave no leaf its spec (a `path_rules`
+    pattern that matches no path, alone or inside `first`): a typo does nothing else."""
+    # Not for `auto_plan`, which lays the model and the optimiser state out apart by the
+    # same rules (patterns for the model's paths match none of the state's), nor for
+    # `describe`, which is asked about parts of a model (one block) with the whole's rule.
+    if verb in ("auto_plan", "describe"):
+        return
+    parts = [part for rule, seen in asked.values() for part in rule.unused(seen)]
+    if parts:
+        warnings.warn(
+            f"`{verb}`: these parts of the `spec` rules gave no leaf its spec: "
+            f"{', '.join(parts)}. A pattern must match a whole dotted path (`re.fullmatch`, "
+            "as `describe` prints paths) that no earlier pattern or rule has taken; fix or "
+            "remove these.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _short(t: Any) -> str:

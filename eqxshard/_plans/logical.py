@@ -36,10 +36,7 @@ class Logical(Rule):
                 if name not in self.mapping:
                     unmapped.append(name)
                     continue
-                target = self.mapping[name]
-                axes.extend(
-                    () if target is None else (target,) if isinstance(target, str) else target
-                )
+                axes.extend(_axes(self.mapping[name]))
             entries.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
         if unmapped:
             raise RuleError(
@@ -50,8 +47,38 @@ class Logical(Rule):
             )
         return PartitionSpec(*entries)
 
+    def unused(self, seen: Any) -> list[str]:
+        return self.rule.unused(seen)
+
+    def replicated_because(self, path: Path, leaf: Any, mesh: Any) -> str | None:
+        spec = self.rule.match(path, leaf, mesh)
+        if not isinstance(spec, PartitionSpec):
+            return None
+        who = f"logical(..., {self.mapping!r})"
+        names = [
+            name
+            for entry in spec
+            if entry is not None and entry is not PartitionSpec.UNCONSTRAINED
+            for name in (entry if isinstance(entry, tuple) else (entry,))
+        ]
+        if not names:
+            inner = self.rule.replicated_because(path, leaf, mesh)
+            return inner if inner is not None else f"{who}: no logical name for any dim"
+        unsplit = sorted({n for n in names if self.mapping.get(n) is None})
+        if len(unsplit) == len(set(names)):
+            return f"{who}: logical names {unsplit} map to no mesh axis"
+        sizes = dict(mesh.shape)
+        axes = sorted({a for n in names for a in _axes(self.mapping.get(n))})
+        if all(sizes.get(a, 1) == 1 for a in axes):
+            return f"{who}: mesh axes {axes} have size 1"
+        return None
+
     def __repr__(self) -> str:
         return f"logical({self.rule!r}, {self.mapping!r})"
+
+
+def _axes(target: Any) -> tuple[str, ...]:
+    return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
 def logical(spec: Any, mapping: Mapping[str, str | tuple[str, ...] | None]) -> Logical:
@@ -61,7 +88,8 @@ def logical(spec: Any, mapping: Mapping[str, str | tuple[str, ...] | None]) -> L
     the mesh axes per run (`{"embed": None, "mlp": "model"}`). A name mapped to `None`
     leaves its dim whole; a dim with several names (`P(("batch", "seq"))`) is split over
     all their mesh axes. A name missing from `mapping` is an error listing every leaf
-    that uses one.
+    that uses one. `describe` says why it left leaves whole (their names map to no mesh
+    axis, or to axes of size 1; their spec names none).
 
     **Arguments:**
 

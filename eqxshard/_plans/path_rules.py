@@ -53,9 +53,26 @@ class PathRules(Rule):
                 return spec
         return NO_MATCH
 
+    def unused(self, seen: Sequence[tuple[Path, Any, Any]]) -> list[str]:
+        used = set()
+        for path, _, _ in seen:
+            text = dotted_path(path)
+            used.add(next((n for n, (p, _) in enumerate(self.rules) if p.fullmatch(text)), None))
+        return [
+            f"path_rules pattern {p.pattern!r}"
+            for n, (p, _) in enumerate(self.rules)
+            if n not in used and not _catch_all(p)
+        ]
+
     def __repr__(self) -> str:
         rules = ", ".join(f"({p.pattern!r}, {_compat.spec_str(s)})" for p, s in self.rules)
         return f"path_rules([{rules}])"
+
+
+def _catch_all(pattern: re.Pattern) -> bool:
+    """A pattern such as `.*` that matches any path: kept as a safeguard, never warned
+    about when earlier patterns leave it nothing."""
+    return all(pattern.fullmatch(text) for text in ("", "layers.0.weight", "a"))
 
 
 def path_rules(
@@ -70,7 +87,11 @@ def path_rules(
     matched against the patterns in order with `re.fullmatch` (the whole path must match;
     write `.*` for "anything"). The first match wins. A leaf that no pattern matches is an
     error listing every such path, unless the rule is followed by another
-    (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`.
+    (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`. A
+    pattern that gives no leaf its spec (it matches no path, or earlier patterns or
+    rules take every leaf it matches) is a warning naming it, alone or inside `first`
+    (a catch-all such as `.*` excepted; `describe`, often asked about a part of a model,
+    does not warn).
 
     **Arguments:**
 
@@ -87,6 +108,10 @@ def path_rules(
     - `TypeError`: if an item is not a pair, a pattern is not a regular expression, or a
         spec is not a `PartitionSpec` or `None`.
     - `ValueError` (when resolved, e.g. by `filter_shard`): for leaves no pattern matches.
+
+    **Warns:**
+
+    - `UserWarning` (when resolved): for patterns that give no leaf its spec.
 
     !!! Example
 

@@ -101,6 +101,12 @@ class Rule:
         (e.g. "fewer than `min_size` elements"); `None` where it does not say."""
         return None
 
+    def unused(self, seen: Sequence[tuple[Path, Any, Any]]) -> list[str]:
+        """The parts of this rule that gave none of the leaves `seen` (each `(path, leaf,
+        mesh)` it was asked about in one call) its spec, for a warning naming them
+        (`path_rules`'s patterns); `[]` where it has no such parts."""
+        return []
+
     def __or__(self, other: Any) -> Rule:
         return first(self, other)
 
@@ -167,6 +173,15 @@ class _Prefix(Rule):
                 return self.specs[path[:k]].replicated_because(path[k:], leaf, mesh)
         return None
 
+    def unused(self, seen: Sequence[tuple[Path, Any, Any]]) -> list[str]:
+        under: dict[tuple, list[tuple[Path, Any, Any]]] = {p: [] for p in self.specs}
+        for path, leaf, mesh in seen:
+            path = tuple(path)
+            k = next((k for k in range(len(path) + 1) if path[:k] in self.specs), None)
+            if k is not None:
+                under[path[:k]].append((path[k:], leaf, mesh))
+        return [part for p, rule in self.specs.items() for part in rule.unused(under[p])]
+
 
 def as_rule(spec: Any, verb: str) -> Rule:
     """Any `spec` form as a rule: a rule, a PartitionSpec, `None`, a callable, a spec tree."""
@@ -202,6 +217,16 @@ class First(Rule):
             if rule.match(path, leaf, mesh) is not NO_MATCH:
                 return rule.replicated_because(path, leaf, mesh)
         return None
+
+    def unused(self, seen: Sequence[tuple[Path, Any, Any]]) -> list[str]:
+        decided: list[list[tuple[Path, Any, Any]]] = [[] for _ in self.rules]
+        for path, leaf, mesh in seen:  # each leaf to the rule that gave its spec
+            for n, rule in enumerate(self.rules):
+                if rule.match(path, leaf, mesh) is not NO_MATCH:
+                    decided[n].append((path, leaf, mesh))
+                    break
+        pairs = zip(self.rules, decided, strict=True)
+        return [part for rule, mine in pairs for part in rule.unused(mine)]
 
     def __repr__(self) -> str:
         return " | ".join(repr(r) for r in self.rules)

@@ -28,7 +28,7 @@ import jax
 
 from .._compat import equinox_runtime_error, is_tracer
 from .._tree import Flat
-from . import layouts as _layouts, sharding_note as _sharding_note
+from . import donate as _donate, layouts as _layouts, sharding_note as _sharding_note
 from .entry import Entry, build, lay_out, output
 from .leaves import Split
 from .static import hashable_key
@@ -102,11 +102,17 @@ def _bind(wrapper: _JitWrapper, args: tuple, kwargs: dict) -> tuple[tuple, dict]
 def _call(wrapper: _JitWrapper, args: tuple, kwargs: dict, *, lower: bool) -> Any:
     if wrapper._signature is not None:
         args, kwargs = _bind(wrapper, args, kwargs)
-    entry, dynamic = entry_of(wrapper, args, kwargs)
-    runs = entry.runs_of(dynamic)
-    if lower:
-        return Lowered(entry.jitted.lower(*runs), wrapper, entry)
-    return output(run(entry, runs))
+    try:
+        entry, dynamic = entry_of(wrapper, args, kwargs)
+        runs = entry.runs_of(dynamic)
+        if lower:
+            return Lowered(entry.jitted.lower(*runs), wrapper, entry)
+        return output(run(entry, runs))
+    except (RuntimeError, ValueError) as e:  # a deleted input: say which and why
+        error = _donate.deleted_inputs(wrapper._fun, args, kwargs)
+        if error is None:
+            raise
+        raise error from e
 
 
 def run(entry: Entry, runs: list[list[Any]]) -> Any:

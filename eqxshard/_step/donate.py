@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._compat import is_tracer
 from .._tree import leaf_error, pathstr
 
 STRINGS = ("all", "all-except-first", "warn", "warn-except-first", "none")
@@ -124,3 +125,28 @@ def _by_tree(donate: Any, args: tuple) -> list[bool]:
             "`False` or a tree of them shaped like (a prefix of) that argument."
         ) from None
     return flags
+
+
+def deleted_inputs(fun: Any, args: tuple, kwargs: dict) -> ValueError | None:
+    """The error for a call given arrays that an earlier call donated (JAX's own says
+    only "Array has been deleted"), naming each; `None` if no input is deleted."""
+    rows = []
+    for name, tree in (("<fun>", fun), ("", args), ("<kwargs>", kwargs)):
+        for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(x, jax.Array) and not is_tracer(x) and x.is_deleted():
+                rows.append((name + pathstr(path), f"shape {x.shape}", "deleted"))
+    if not rows:
+        return None
+    return ValueError(
+        leaf_error(
+            "`filter_jit` was called with arrays whose buffers an earlier call donated (and "
+            "so deleted):",
+            rows,
+            "A donated array cannot be used again: pass the outputs of the call that took "
+            "it. `donate='all'` also donates the arrays of `fun` itself (a callable module, "
+            "a bound method such as `model.__call__`), as `eqx.filter_jit` does, and the "
+            "`self` of a method decorated in the class body (its first argument): keep them "
+            "with `donate='all-except-first'` (for `self`) or a `donate` tree over the "
+            "arguments, such as `(True, False)` (the arrays of `fun` are then kept).",
+        )
+    )

@@ -19,7 +19,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .._compat import is_tracer
+from .._compat import is_tracer, tracing_on
 from .._placement import place as _place
 from .._tree import Flat, is_array_like, leaf_error
 from . import donate as _donate, layouts as _layouts
@@ -67,7 +67,11 @@ class Entry:
         return [dynamic[a:b] for a, b in self.runs]
 
 
-def traced_fun(key: Any, static: tuple, treedef: Any, name: tuple[str, str]) -> Any:
+def traced_fun(
+    key: Any, static: tuple, treedef: Any, name: tuple[str, str], mesh: Any = None
+) -> Any:
+    """The function `jax.jit` traces for a call: `fun(*args, **kwargs)` from the array
+    leaves, traced with `mesh` (`filter_jit`'s) in context where JAX needs it there."""
     found = _FUNS.get(key)
     if found is not None:
         return found
@@ -76,7 +80,8 @@ def traced_fun(key: Any, static: tuple, treedef: Any, name: tuple[str, str]) -> 
         it = iter([x for run in runs for x in run])
         leaves = [next(it) if s is UNSET else s for s in static]
         call_fun, args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
-        out = call_fun(*args, **kwargs)
+        with tracing_on(mesh):
+            out = call_fun(*args, **kwargs)
         out_leaves, out_def = jax.tree_util.tree_flatten(out)
         arrays = [x for x in out_leaves if eqx.is_array(x)]
         rest = tuple(UNSET if eqx.is_array(x) else x for x in out_leaves)
@@ -112,7 +117,7 @@ def build(
     """The entry of a call seen for the first time, and its array leaves laid out."""
     fun_leaves = jax.tree_util.tree_leaves(fun)
     static = tuple(UNSET if a else x for x, a in zip(flat.leaves, flat.is_array, strict=True))
-    traced = traced_fun(key, static, flat.treedef, name)
+    traced = traced_fun(key, static, flat.treedef, name, config.mesh)
     flags = sum(_donate.donated(config.donate, fun_leaves, args, kwargs), [])
     arrays = flat.array_indices
     donated = [flags[i] for i in arrays]

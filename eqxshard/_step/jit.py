@@ -94,7 +94,11 @@ def filter_jit(
         - `"none"` (default), `"all"`, `"all-except-first"` (not those of the first
             argument), `"warn"`, `"warn-except-first"`: as in `eqx.filter_jit` ("all"
             forms also donate the arrays of `fun` itself and hide JAX's warning about
-            donated buffers it could not use; the "warn" forms show it);
+            donated buffers it could not use; the "warn" forms show it). As there, the
+            module of `filter_jit(model.method, donate="all")` or of a callable module
+            is deleted by the first call, and so is the `self` of a method decorated in
+            the class body (its first argument): keep `self` with `"all-except-first"`,
+            and the arrays of `fun` with a tree over the arguments (below);
         - a filter `leaf -> bool`, called on each array leaf (of `fun` too): `True`
             donates it;
         - a prefix tree of bools over the positional arguments, e.g. `(True, False)` to
@@ -121,7 +125,8 @@ def filter_jit(
         outputs are returned as they are.
     - `mesh`: the mesh that `PartitionSpec`s and rules in `in_shardings` and
         `out_shardings` lay leaves out over. `None` (default) is the mesh set by
-        `jax.set_mesh`.
+        `jax.set_mesh`. A mesh with Explicit axes is in context while `fun` is traced
+        (where none is set), as JAX's ops on such axes need it.
     - `move_inputs`: `True` (default): committed inputs not laid out as `in_shardings`
         asks are moved before the call, all in one batched `jax.device_put`, the path
         `filter_shard` takes (inside an outer `jit`, a layout constraint); inputs laid out
@@ -144,7 +149,8 @@ def filter_jit(
         a `donate` filter that returns a non-bool, or arguments laid out by
         `in_shardings` with a dtype JAX has no arrays of (NumPy strings, objects),
         naming each.
-    - `ValueError`: for a `donate` string that is none of the five; when called, for a
+    - `ValueError`: for a `donate` string that is none of the five; when called with
+        arrays an earlier call donated (naming each, with how to keep them); for a
         `donate`, `in_shardings` or `out_shardings` tree that is not a prefix of the
         arguments or output; for specs or rules with no `mesh` and none set; the
         errors of `filter_shard` about each layout (axes the mesh lacks, dims that do not

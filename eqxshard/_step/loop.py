@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import equinox as eqx
 import jax
 
 from .._tree import Flat, is_array_like
 from . import sharding_note as _sharding_note
-from .call import _bind, _JitWrapper, entry_of, run
+from .call import _bind, _Config, _JitWrapper, entry_of, run
 from .entry import Entry, lay_out, output
 from .jit import filter_jit
 from .leaves import UNSET, Split
+
+_DEFAULT = _Config("none", None, None, None, True)  # `filter_jit()`'s options
 
 
 class _Found:
@@ -56,7 +59,9 @@ class StepLoop:
     **Arguments:**
 
     - `step`: the step: a `filter_jit`-compiled function, or a function (then compiled by
-        `filter_jit()`).
+        `filter_jit()`). A method decorated with `filter_jit` in the class body, bound
+        (`model.step`, or `filter_jit(model.step)` with no options), runs its own
+        `filter_jit` with the module as its first argument, held as it is.
     - `*state`: the initial state: the first arguments of `step`, in order (a model, an
         optimiser state, a key, ...).
     - `carry`: how many of the state arguments the step's first outputs replace. `None`
@@ -136,11 +141,19 @@ class StepLoop:
                 f"it is) and the {len(state)} state arguments given (all replaced by the "
                 "step's first outputs)."
             )
+        # A method decorated in the class body, bound (`model.step`, an `eqx.Partial` of
+        # the wrapper and the module), perhaps given to `filter_jit()` again: its own
+        # wrapper runs, with the module as its first argument, not a `jit` around it.
+        self._bound: tuple = ()
+        inner = _bound_wrapper(step)
+        if inner is not None:
+            step, self._bound = inner
         compiled: Any = step if isinstance(step, _JitWrapper) else filter_jit(step)
         self._step: _JitWrapper = compiled
         self._n = carry
         self._found: dict[Any, _Found] = {}
-        self._fun_dynamic = Split(jax.tree_util.tree_leaves(self._step._fun)).dynamic
+        fixed = (self._step._fun, self._bound)
+        self._fun_dynamic = Split(jax.tree_util.tree_leaves(fixed)).dynamic
         self._set_state(tuple(state))
 
     def _set_state(self, state: tuple) -> None:
@@ -201,7 +214,7 @@ class StepLoop:
         """The first call of a batch structure and signature: `filter_jit`'s own entry,
         and how the step's outputs split into the next state and the rest."""
         step, n = self._step, self._n
-        args, kwargs = _bind(step, (*self.state, *batch), {})
+        args, kwargs = _bind(step, (*self._bound, *self.state, *batch), {})
         with _sharding_note.explained(step._config, args, kwargs):
             entry, dynamic = entry_of(step, args, kwargs)
             abstract = output(entry.jitted.trace(*entry.runs_of(dynamic)).out_info)
@@ -229,6 +242,17 @@ class StepLoop:
         aux_static = tuple(UNSET if is_array_like(x) else x for x in aux_leaves)
         n_state = len(arrays) if same else None
         return _Found(entry, treedef, static, (aux_def, aux_static), n_state), dynamic
+
+
+def _bound_wrapper(step: Any) -> tuple[_JitWrapper, tuple] | None:
+    """The `filter_jit` wrapper of a bound method decorated in the class body and the
+    arguments bound to it (the module): from `model.step`, or from `filter_jit(model.step)`
+    with no options (whose `jit` would only wrap the inner one)."""
+    if isinstance(step, _JitWrapper) and step._config == _DEFAULT:
+        step = step._fun
+    if isinstance(step, eqx.Partial) and isinstance(step.func, _JitWrapper) and not step.keywords:
+        return step.func, tuple(step.args)
+    return None
 
 
 def _same_type(abstract: Any, x: Any) -> bool:
