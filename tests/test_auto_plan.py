@@ -431,4 +431,6 @@ def test_a_failed_subprocess_compile_says_what_to_do():
     with pytest.raises(
         RuntimeError, match=r"(?s)could not compile on 4 CPU devices.*`compile_limit`"
     ):
-        compile_remote.finish(compile_remote._launch(["this is not StableHLO"], [{"data": 4}]))
+        compile_remote.finish(
+            compile_remote._launch(["this is not StableHLO"], [{"data": 4}], [False])
+        )

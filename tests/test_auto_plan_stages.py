@@ -131,3 +131,29 @@ def test_stages_win_when_the_other_axes_are_slow():
     skipped = [c for c in plan.table if c.measured_on == "not compiled" and c.pipeline]
     assert skipped and all("dominated by 2 stages x" in c.reason for c in skipped)
     _check_runs_as_planned(plan, _make(4))
+
+
+@pytest.mark.heavy
+def test_remat_compiles_alongside_give_the_figures_of_compiles_here(monkeypatch):
+    """A rematerialising candidate compiled by the second process (which `auto_plan` starts
+    only when compiles are slow, so on a loaded machine) is compiled as here, with constant
+    folding: the same figures, not a tenth fewer bytes."""
+    from eqxshard._plans.auto import compile_remote, jobs
+
+    model = _make(3)(jax.random.key(0))
+    options: dict[str, Any] = dict(devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False)
+    shapes = sd.shapes(batch=16, tokens=32)
+    here = eqxshard.auto_plan(lambda *a: sd.step(*a), model, shapes, **options)
+    monkeypatch.setattr(jobs, "ALONGSIDE_AFTER", 0.0)
+    monkeypatch.setattr(jobs.os, "cpu_count", lambda: 2)
+    started = []
+    start = compile_remote.start
+    monkeypatch.setattr(compile_remote, "start", lambda *a: started.append(a[1]) or start(*a))
+    both = eqxshard.auto_plan(lambda *a: sd.step(*a), model, shapes, **options)
+    remat_sent = [placed for batch in started for placed, _ in batch if placed.remat]
+    assert remat_sent, "no rematerialising candidate was compiled alongside"
+
+    def figures(plan):
+        return [(c.name, c.remat, c.bytes, c.total_bytes, c.time) for c in plan.table]
+
+    assert figures(both) == figures(here)

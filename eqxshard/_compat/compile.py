@@ -14,10 +14,14 @@ _FAST: dict = {
 }
 
 
-def compile_stablehlo(text: str, devices: int) -> tuple[dict[str, int], float, str]:
+def compile_stablehlo(
+    text: str, devices: int, *, fold: bool = False
+) -> tuple[dict[str, int], float, str]:
     """Compiles a StableHLO module lowered on an `AbstractMesh` of `devices` devices, on
     the first `devices` CPU devices of this process (SPMD, one partition per device):
-    its `memory_analysis()` figures, flops per device, and compiled HLO text.
+    its `memory_analysis()` figures, flops per device, and compiled HLO text. `fold`:
+    with XLA's constant folding, as `auto_plan` compiles a step whose stacks rematerialise
+    (without it such a step reads about a tenth fewer bytes than it will hold).
 
     Private API: `jax.jit` cannot compile a module lowered without devices, so this goes
     to the backend's compiler directly, with the compile options `jit` would use.
@@ -32,7 +36,9 @@ def compile_stablehlo(text: str, devices: int) -> tuple[dict[str, int], float, s
         num_replicas=1,
         num_partitions=devices,
         device_assignment=np.array(chosen).reshape(1, devices),
-        env_options_overrides=_FAST,  # pyright: ignore[reportArgumentType]
+        env_options_overrides=(  # pyright: ignore[reportArgumentType]
+            {k: v for k, v in _FAST.items() if k != "xla_disable_hlo_passes"} if fold else _FAST
+        ),
     )
     options.executable_build_options.use_spmd_partitioning = True
     compile_ = getattr(backend, "compile_and_load", None)

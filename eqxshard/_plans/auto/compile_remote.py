@@ -38,15 +38,17 @@ def start(problem: Problem, work: Sequence[tuple[Placed, dict[str, int]]]) -> Ru
     """Lowers each `(placed on a mesh, mesh shape)` here and starts compiling them all in
     one subprocess with as many CPU devices as the largest mesh; `finish` waits for it."""
     texts = [lower_text(problem, placed) for placed, _ in work]
-    return _launch(texts, [dict(shape) for _, shape in work])
+    # A rematerialising step compiles with constant folding, here as in this process.
+    folds = [bool(placed.remat) for placed, _ in work]
+    return _launch(texts, [dict(shape) for _, shape in work], folds)
 
 
-def _launch(texts: list[str], shapes: list[dict[str, int]]) -> Running:
+def _launch(texts: list[str], shapes: list[dict[str, int]], folds: list[bool]) -> Running:
     counts = [math.prod(shape.values()) for shape in shapes]
     folder = tempfile.mkdtemp(prefix="eqxshard-auto-plan-")
     src, dst = os.path.join(folder, "in.json"), os.path.join(folder, "out.json")
     with open(src, "w") as f:
-        json.dump({"devices": max(counts), "modules": texts, "counts": counts}, f)
+        json.dump({"devices": max(counts), "modules": texts, "counts": counts, "folds": folds}, f)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     with open(os.path.join(folder, "stderr"), "wb") as err:
         process = subprocess.Popen(

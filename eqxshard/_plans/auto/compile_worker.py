@@ -1,7 +1,8 @@
 """Run as `python -m eqxshard._plans.auto.compile_worker IN OUT` by `compile_remote`:
 compiles each StableHLO module of IN (JSON: a device count, the modules, and optionally
-each module's own count, at most that) on that many CPU devices and writes each one's
-memory figures, flops and compiled HLO text to OUT (JSON)."""
+each module's own count, at most that, and whether to constant-fold it) on that many CPU
+devices and writes each one's memory figures, flops and compiled HLO text to OUT
+(JSON)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def main(src: str, dst: str) -> None:
 
     results = []
     counts = work.get("counts") or [work["devices"]] * len(work["modules"])
-    for text, count in zip(work["modules"], counts, strict=True):
-        memory, flops, hlo = _compat.compile_stablehlo(text, int(count))
+    folds = work.get("folds") or [False] * len(work["modules"])
+    for text, count, fold in zip(work["modules"], counts, folds, strict=True):
+        memory, flops, hlo = _compat.compile_stablehlo(text, int(count), fold=bool(fold))
         results.append({"memory": memory, "flops": flops, "hlo": hlo})
     with open(dst, "w") as f:
         json.dump(results, f)
