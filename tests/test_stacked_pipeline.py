@@ -211,6 +211,31 @@ def test_a_stage_major_stack_restores_from_its_checkpoint(tmp_path):
     close(loss(restored, tokens), loss(Model(jax.random.key(0), n=16), tokens))
 
 
+def test_a_stack_saved_in_another_order_is_refused_not_reordered(tmp_path):
+    """The stored order is in the saved leaves' names: a restore across orders fails,
+    naming the leaves, instead of loading the layers in the wrong order."""
+    pytest.importorskip("orbax.checkpoint")
+    mesh = jax.make_mesh((4, 2), ("stage", "data"))
+    options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2, mesh=mesh)
+    rules = eqxshard.first(eqxshard.stages("stage", path=r"blocks\.blocks\..*"), P())
+    in_layer_order = Model(jax.random.key(0), n=16)
+    stage_major = Model(jax.random.key(0), n=16, **options)
+    eqxshard.filter_save(str(tmp_path / "layers"), 0, in_layer_order)
+    eqxshard.filter_save(
+        str(tmp_path / "major"), 0, eqxshard.filter_shard(stage_major, mesh, rules)
+    )
+    as_major = eqx.filter_eval_shape(lambda k: Model(k, n=16, **options), jax.random.key(1))
+    with pytest.raises(ValueError, match=r"(?s)blocks\.stage_major_4x2\..*restores only into"):
+        eqxshard.filter_restore(str(tmp_path / "layers"), as_major, mesh, rules)
+    as_layers = eqx.filter_eval_shape(lambda k: Model(k, n=16), jax.random.key(1))
+    with pytest.raises(ValueError, match=r"(?s)stage_major_4x2.*not in `like`.*restores only"):
+        eqxshard.filter_restore(str(tmp_path / "major"), as_layers, mesh, P())
+    # Each into its own order: the same model.
+    back = eqxshard.filter_restore(str(tmp_path / "layers"), as_layers, mesh, P())
+    tokens = jax.random.randint(jax.random.key(1), (8, 4), 0, 16)
+    close(loss(back, tokens), loss(in_layer_order, tokens))
+
+
 def test_a_plan_reconfigures_a_stage_major_stack_from_its_layers():
     from eqxshard._pipeline.configure import configure, configure_like
 

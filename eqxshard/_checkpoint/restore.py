@@ -166,7 +166,7 @@ def filter_restore(
             flat, shardings = plan_shardings(verb, like, flat.rebuild({**own, **statics}), None)
     else:
         flat, shardings = plan_shardings(verb, like, target, spec)
-    names = _names(verb, flat)
+    names = _names(verb, flat, like)
     # What no plan gave (no target, or `None` in a prefix target) keeps its own sharding.
     unplaced = []
     for i in flat.array_indices:

@@ -74,6 +74,15 @@ def match(
             for n in extra
         ]
         if rows:
+            order = ""
+            if any(".stage_major_" in r[0] or r[0].startswith("stage_major_") for r in rows):
+                order = (
+                    " A `Stacked` stored stage-major (`stage_major_SxR` in its leaves' names: "
+                    "S stages x `repeats=R`) restores only into a `Stacked` stored the same "
+                    "way: build `like`'s stack with the saved one's stage count and `repeats` "
+                    "(or with neither, for one saved in layer order), then change it through "
+                    "`Stacked.from_layers(stack.to_layers(), ...)`."
+                )
             raise ValueError(
                 leaf_error(
                     f"`filter_restore`: {where} does not match `like` (leaves by dotted path; "
@@ -83,7 +92,7 @@ def match(
                     "configuration). To restore every leaf that matches and keep `like`'s own "
                     "value for the others (a new model, initialised and placed), or to read a "
                     "part of the saved tree, pass `strict=False`; to read leaves saved in "
-                    "another dtype into `like`'s dtype, pass `cast=True`.",
+                    "another dtype into `like`'s dtype, pass `cast=True`." + order,
                 )
             )
         return read, []

@@ -139,7 +139,7 @@ def filter_save(
                 "Call `filter_save` outside the transformation, on its outputs.",
             )
         )
-    names = _names(verb, flat)
+    names = _names(verb, flat, tree)
     if not names:
         raise ValueError(
             "`filter_save` found no array leaves in `tree`, so there is nothing to save "

@@ -9,8 +9,10 @@ import os
 import warnings
 from typing import Any
 
+import jax
 import numpy as np
 
+from .._pipeline.stacked import Stacked
 from .._plans.rules import dotted_path
 from .._tree import Flat, leaf_error, pathstr
 from .async_save import (
@@ -126,11 +128,17 @@ def _steps(ocp: Any, directory: str, *, warn: bool = True) -> list[int]:
     return steps
 
 
-def _names(verb: str, flat: Flat) -> dict[str, int]:
-    """Each array leaf's name in the checkpoint (its dotted path) -> its index in `flat`."""
+def _names(verb: str, flat: Flat, tree: Any = None) -> dict[str, int]:
+    """Each array leaf's name in the checkpoint (its dotted path) -> its index in `flat`.
+
+    The leaves of a `Stacked` of `tree` stored stage-major carry that order in their
+    names (`blocks.stage_major_4x2.weight`: 4 stages x `repeats=2`), so that a restore
+    into a stack stored in another order fails, naming them, instead of loading the
+    layers in the wrong order."""
+    orders = stored_orders(tree)
     names: dict[str, list[int]] = {}
     for i in flat.array_indices:
-        names.setdefault(dotted_path(flat.paths[i]) or "<root>", []).append(i)
+        names.setdefault(_name(flat.paths[i], orders), []).append(i)
     clashes = [
         (name, ", ".join(pathstr(flat.paths[i]) for i in indices))
         for name, indices in names.items()
@@ -147,6 +155,28 @@ def _names(verb: str, flat: Flat) -> dict[str, int]:
             )
         )
     return {name: indices[0] for name, indices in names.items()}
+
+
+def stored_orders(tree: Any) -> list[tuple[tuple, str]]:
+    """The key path of each `Stacked` of `tree` stored stage-major, and its order's tag."""
+    found: list[tuple[tuple, str]] = []
+
+    def visit(path: Any, x: Any) -> None:
+        if isinstance(x, Stacked) and x.stages is not None:
+            found.append((tuple(path), f"stage_major_{x.stages}x{x.repeats}"))
+
+    if tree is not None:
+        is_stack = lambda x: isinstance(x, Stacked)  # noqa: E731
+        jax.tree_util.tree_map_with_path(visit, tree, is_leaf=is_stack)
+    return found
+
+
+def _name(path: Any, orders: list[tuple[tuple, str]]) -> str:
+    for prefix, tag in orders:
+        if tuple(path[: len(prefix)]) == prefix:
+            parts = [dotted_path(prefix), tag, dotted_path(path[len(prefix) :])]
+            return ".".join(part for part in parts if part)
+    return dotted_path(path) or "<root>"
 
 
 def read_part(ocp: Any, directory: str, step: int, abstract: dict[str, Any]) -> dict[str, Any]:

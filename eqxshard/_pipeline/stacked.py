@@ -72,9 +72,12 @@ class Stacked(eqx.Module):
     other, so that the `stages` rule's contiguous split gives each stage the chunks the
     circular schedule runs on it and no weights move per step. `stages` records that
     stage count (`None`: layer order; a circular stack stored so is regrouped by an
-    all-to-all per step). `to_layers()` and `n` read the layers in layer order; a
-    checkpoint of the stack restores into a `Stacked` built with the same `repeats` and
-    stage count (restore a list form and `from_layers` it for any other).
+    all-to-all per step). `to_layers()` and `n` read the layers in layer order. A
+    checkpoint names a stage-major stack's leaves with its order
+    (`blocks.stage_major_4x2.…`), so it restores only into a `Stacked` stored the same
+    way; a restore into another order is an error naming the leaves, never layers loaded
+    in the wrong order (restore into the saved order, then
+    `Stacked.from_layers(stack.to_layers(), ...)`).
 
     **Raises:**
 
