@@ -59,3 +59,25 @@ class Candidate:
     host_time: float = 0.0
     remat: dict[str, str] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
+
+
+def not_compiled(layout: Any, reason: str, **fields: Any) -> Candidate:
+    """The row of a layout (its `name`, `shape` and `rules`) that was not compiled, saying
+    why (ruled out by arithmetic, or dominated); `fields` set any other column."""
+    row: dict[str, Any] = dict(
+        rank=0,
+        name=layout.name,
+        mesh_shape=dict(layout.shape),
+        rules=layout.rules,
+        bytes={},
+        total_bytes=None,
+        collectives={},
+        communication_time=None,
+        compute_time=None,
+        time=None,
+        fits=False,
+        estimated=False,
+        measured_on="not compiled",
+        reason=reason,
+    )
+    return Candidate(**{**row, **fields})

@@ -9,6 +9,7 @@ import math
 from ..._step import pinned
 from ..._tree import format_bytes
 from . import extrapolate, links as links_, offload as offload_
+from .candidate import not_compiled
 from .candidates import Layout
 from .measure import Measurement, Placed
 from .result import Candidate
@@ -32,21 +33,11 @@ def candidate(
     offloaded = ("optimizer state",) if layout.offload else ()
     if measured is None:
         known = sum(exact.values()) if exact else None
-        return Candidate(
-            rank=0,
-            name=layout.name,
-            mesh_shape=dict(layout.shape),
-            rules=layout.rules,
+        return not_compiled(
+            layout,
+            rejected,
             bytes=dict(exact),
             total_bytes=known,
-            collectives={},
-            communication_time=None,
-            compute_time=None,
-            time=None,
-            fits=False,
-            estimated=False,
-            measured_on="not compiled",
-            reason=rejected,
             offload=offloaded,
             host_bytes=host,
         )

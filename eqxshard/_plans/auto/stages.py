@@ -32,7 +32,7 @@ from ..fsdp import fsdp
 from ..rules import as_rule, first
 from ..stages import stages as stages_rule
 from . import links as links_
-from .candidate import Candidate
+from .candidate import Candidate, not_compiled
 from .candidates import Layout, factorisations, family, mesh_shape
 from .view import seconds_str
 
@@ -133,23 +133,7 @@ def layouts(
 
 
 def _row(layout: Layout, why: str) -> Candidate:
-    return Candidate(
-        rank=0,
-        name=layout.name,
-        mesh_shape=dict(layout.shape),
-        rules=layout.rules,
-        bytes={},
-        total_bytes=None,
-        collectives={},
-        communication_time=None,
-        compute_time=None,
-        time=None,
-        fits=False,
-        estimated=False,
-        measured_on="not compiled",
-        reason=why,
-        pipeline=options(layout),
-    )
+    return not_compiled(layout, why, pipeline=options(layout))
 
 
 def options(layout: Layout) -> dict[str, Any] | None:
