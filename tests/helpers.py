@@ -181,3 +181,14 @@ def named(mesh: Mesh, *spec: Any) -> NamedSharding:
 
 def is_key(x: Any) -> bool:
     return eqx.is_array(x) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def compiled_total(memory) -> int:
+    """Bytes per device of a compiled step, from its `memory_analysis()`, as `auto_plan`
+    counts them: arguments and outputs (less what they alias) and temporaries."""
+    return (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import stacked_decoder as sd
+from helpers import compiled_total
 
 import eqxshard
 from eqxshard._plans.auto import remat as remat_
@@ -23,23 +24,13 @@ def _make(layers):
     return lambda key: sd.make(key, width=32, hidden=512, layers=layers)
 
 
-def _total(memory) -> int:
-    m = memory
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def _check_runs_as_planned(plan, make):
     """`plan.jit(step)` compiles to the table's bytes per device, and trains as one device."""
     model, state = plan.init(make, sd.OPTIMIZER)(jax.random.key(0))
     batch = sd.data(batch=16, tokens=32)
     train_step = plan.jit(sd.step)
     compiled = train_step.lower(model, state, batch).compile()
-    total = _total(compiled.memory_analysis())
+    total = compiled_total(compiled.memory_analysis())
     assert abs(total - plan.chosen.total_bytes) <= 0.01 * total
     one = make(jax.random.key(0))
     one_state = sd.OPTIMIZER.init(eqx.filter(one, eqx.is_array))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compiled_total
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -48,22 +49,12 @@ def plan():
     return eqxshard.auto_plan(step, model, BATCH, **options)
 
 
-def _total(memory) -> int:
-    m = memory
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
-
-
 def test_jit_runs_the_plan_as_the_table_says_and_trains_like_one_device(plan):
     model, opt_state = plan.init(make_model, OPTIMIZER)(jax.random.key(0))
     train_step = plan.jit(step)
     batch = _data()
     compiled = train_step.lower(model, opt_state, batch).compile()
-    total = _total(compiled.memory_analysis())
+    total = compiled_total(compiled.memory_analysis())
     assert abs(total - plan.chosen.total_bytes) <= 0.01 * total
     one_model = make_model(jax.random.key(0))
     one_state = OPTIMIZER.init(eqx.filter(one_model, eqx.is_array))
