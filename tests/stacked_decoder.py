@@ -1,6 +1,7 @@
 """A small decoder whose blocks are an `eqxshard.Stacked`, and its training step: the model
 the tests of plans with remat and pipeline choices use (`test_plan_stacked`,
-`test_auto_plan_stages`)."""
+`test_auto_plan_stages`); and one with two stacks of different widths (`TwoStacks`,
+`test_auto_plan_remat_mix`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,36 @@ def make(key: jax.Array, *, d: int = 8, width: int = 32, hidden: int = 64, layer
     blocks = eqx.filter_vmap(lambda k: Block(width, hidden, k))(keys)
     return Decoder(
         eqx.nn.Linear(d, width, key=k1), eqxshard.Stacked(blocks), eqx.nn.Linear(width, d, key=k3)
+    )
+
+
+class TwoStacks(eqx.Module):
+    """Per example: `(T, D)` inputs, through `embed`, a `wide` stack (a large hidden width:
+    most of the activations), a `narrow` one, and `head`."""
+
+    embed: eqx.nn.Linear
+    wide: eqxshard.Stacked
+    narrow: eqxshard.Stacked
+    head: eqx.nn.Linear
+
+    def __call__(self, x: Any) -> jax.Array:
+        return jax.vmap(self.head)(self.narrow(self.wide(jax.vmap(self.embed)(x))))
+
+
+def make_two(key: jax.Array, *, d: int = 8, width: int = 32) -> TwoStacks:
+    """`wide`: 3 layers of hidden width 512; `narrow`: 5 layers of 64 (neither splits
+    over 2 stages)."""
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+
+    def stack(key: jax.Array, layers: int, hidden: int) -> eqxshard.Stacked:
+        keys = jax.random.split(key, layers)
+        return eqxshard.Stacked(eqx.filter_vmap(lambda k: Block(width, hidden, k))(keys))
+
+    return TwoStacks(
+        eqx.nn.Linear(d, width, key=k1),
+        stack(k2, 3, 512),
+        stack(k3, 5, 64),
+        eqx.nn.Linear(width, d, key=k4),
     )
 
 

@@ -58,7 +58,8 @@ def test_remat_makes_a_model_fit_that_no_layout_fits_without(tight):
     assert chosen.fits and chosen.remat == {"blocks": chosen.remat["blocks"]}
     assert chosen.remat["blocks"] in ("dots", "full", "offload")
     assert tight.remat == chosen.remat and tight.pipeline is None
-    assert f"remat {chosen.remat['blocks']} on `blocks`: fits with" in chosen.reason
+    assert f"remat {chosen.remat['blocks']} on `blocks`: without it" in chosen.reason
+    assert chosen.reason.count("to spare") == 1  # said once, not again by the remat note
     assert "without it" in chosen.reason and "more flops" in chosen.reason
     # Full remat recomputes the forward pass: its compiled flops are higher.
     full = next(c for c in tight.table if c.remat.get("blocks") == "full" and c.time)

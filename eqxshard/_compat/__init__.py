@@ -8,7 +8,8 @@ varying values in `shard_map`),
 `meshes` (ambient and abstract meshes, axis types, specs), `processes` (host gathers,
 global shapes, the detected cluster, the coordination-service client),
 `equinox_errors` (Equinox's private state for `eqx.error_if` messages, which
-`filter_jit` reports as `eqx.filter_jit` does) and `compile` (compiling a module lowered
+`filter_jit` reports as `eqx.filter_jit` does), `jaxprs` (a `scan` equation's
+constants and carries) and `compile` (compiling a module lowered
 on an `AbstractMesh` on as many CPU devices).
 
 Imports: JAX (and Equinox, in `equinox_errors`) only; nothing else of eqxshard.
@@ -37,6 +38,7 @@ from .arrays import (
 )
 from .compile import compile_stablehlo as compile_stablehlo
 from .equinox_errors import equinox_runtime_error as equinox_runtime_error
+from .jaxprs import scan_counts as scan_counts
 from .meshes import (
     abstract_mesh as abstract_mesh,
     abstract_mesh_of as abstract_mesh_of,

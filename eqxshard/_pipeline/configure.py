@@ -46,16 +46,16 @@ def configure(
     verb: str,
     model: Any,
     *,
-    remat: dict[str, str],
+    remat: dict[str, str] | str,
     pipeline: dict[str, Any] | None,
     mesh: Mesh | AbstractMesh,
 ) -> Any:
     """`model` with each `Stacked` rebuilt with the policy `remat` gives its path (others
-    keep theirs) and, with `pipeline` (`{"axis", "microbatches", "repeats"}`), pipelined
-    over `mesh`; raises `ValueError` for paths of `remat` that are not stacks, and for a
-    `pipeline` on a model without one."""
+    keep theirs; a str is every stack's policy) and, with `pipeline` (`{"axis",
+    "microbatches", "repeats"}`), pipelined over `mesh`; raises `ValueError` for paths of
+    `remat` that are not stacks, and for a `pipeline` on a model without one."""
     found = stacks(model)
-    unknown = sorted(set(remat) - set(found))
+    unknown = [] if isinstance(remat, str) else sorted(set(remat) - set(found))
     if unknown or (pipeline is not None and not found):
         have = ", ".join(repr(p) for p in found) or "none"
         what = f"`remat` names {unknown}" if unknown else "a `pipeline` is chosen"
@@ -68,7 +68,8 @@ def configure(
     def rebuilt(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, Stacked):
             return leaf
-        options: dict[str, Any] = dict(remat=remat.get(dotted(path), leaf.remat))
+        policy = remat if isinstance(remat, str) else remat.get(dotted(path), leaf.remat)
+        options: dict[str, Any] = dict(remat=policy)
         if pipeline is not None:
             options |= dict(pipeline, mesh=mesh)
         elif leaf.axis is not None:

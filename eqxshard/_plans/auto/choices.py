@@ -1,5 +1,6 @@
-"""A plan's choices beyond the mesh and the rules: rematerialisation per stacked layer,
-what lives in host memory, and the pipeline; their allowed values, checked."""
+"""A plan's choices beyond the mesh and the rules: rematerialisation per stacked layer (or
+one policy for all), what lives in host memory, and the pipeline; their allowed values,
+checked."""
 
 from __future__ import annotations
 
@@ -11,18 +12,31 @@ OFFLOADABLE = ("optimizer state",)
 PIPELINE_KEYS = ("axis", "microbatches", "repeats")
 
 
-def check(remat: Any, offload: Any, pipeline: Any) -> tuple[dict[str, str], tuple[str, ...]]:
+def check(remat: Any, offload: Any, pipeline: Any) -> tuple[dict[str, str] | str, tuple[str, ...]]:
     """`remat` and `offload` in their stored forms; raises for any bad value."""
+    if isinstance(remat, str):
+        if remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"`Plan` got `remat={remat!r}`; a policy for every stacked layer is one of "
+                f"{', '.join(REMAT_POLICIES)} (or give a dict {{path: policy}})."
+            )
+        return remat, _offload(offload, pipeline)
     if not isinstance(remat, dict) or not all(isinstance(k, str) for k in remat):
         raise TypeError(
             "`Plan` takes `remat` as a dict {path of a stacked layer: policy}, e.g. "
-            f"`{{'blocks': 'dots'}}`, but got {remat!r}."
+            f"`{{'blocks': 'dots'}}`, or one policy for every stacked layer (`'dots'`), but "
+            f"got {remat!r}."
         )
     bad = {k: v for k, v in remat.items() if v not in REMAT_POLICIES}
     if bad:
         raise ValueError(
             f"`Plan` got `remat` policies {bad!r}; each is one of {', '.join(REMAT_POLICIES)}."
         )
+    return dict(remat), _offload(offload, pipeline)
+
+
+def _offload(offload: Any, pipeline: Any) -> tuple[str, ...]:
+    """`offload` as stored (`pipeline` checked too); raises for any bad value."""
     if isinstance(offload, str) or not isinstance(offload, tuple | list):
         raise TypeError(
             "`Plan` takes `offload` as a tuple of parts held in host memory, e.g. "
@@ -41,4 +55,4 @@ def check(remat: Any, offload: Any, pipeline: Any) -> tuple[dict[str, str], tupl
                 f"{', '.join(PIPELINE_KEYS)} (e.g. `{{'axis': 'stage', 'microbatches': 8, "
                 f"'repeats': 1}}`), but got {pipeline!r}."
             )
-    return dict(remat), tuple(dict.fromkeys(offload))
+    return tuple(dict.fromkeys(offload))

@@ -171,8 +171,14 @@ def rank(candidates: list[Candidate], budget: int) -> list[Candidate]:
             part, size = _dominant(c)
             over = format_bytes((c.total_bytes or 0) - budget)
             reason = f"over budget by {over} (most is {part}: {format_bytes(size)})"
-        if c.time is not None and c.reason and c.reason not in reason:
-            reason = f"{reason}; {c.reason}"  # the layout's note
+        note = c.reason
+        left = budget - (c.total_bytes or 0)
+        if c is best:  # a remat row's own "fits with X to spare" is said once, above
+            note = note.replace(f": fits with {format_bytes(left)} to spare;", ":")
+        elif c.time is not None and not c.fits:  # and its "still X over"
+            note = note.replace(f": still {format_bytes(-left)} over;", ":")
+        if c.time is not None and note and note not in reason:
+            reason = f"{reason}; {note}"  # the layout's note
         table.append(dataclasses.replace(c, rank=len(table) + 1, reason=reason))
     return table
 
@@ -188,12 +194,27 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Valu
     smallest = min(measured, key=lambda c: c.total_bytes or 0)
     part, part_bytes = _dominant(smallest)
     helps = [f"more devices (now {n})"]
-    if part in ("activations", "batch"):
-        ways = math.prod(smallest.mesh_shape.get(a, 1) for a in ("data", "fsdp"))
+    ways = math.prod(smallest.mesh_shape.get(a, 1) for a in ("data", "fsdp"))
+    smaller_batch = f"a smaller batch (now {size}, {size // ways} per device)"
+    remats = [c for c in measured if c.remat and c.time is not None]
+    tried = ""
+    if remats:
+        policies = sorted({p for c in remats for p in c.remat.values() if p != "none"})
+        best = min(remats, key=lambda c: c.total_bytes or 0)
+        over = format_bytes((best.total_bytes or 0) - budget)
+        tried = (
+            f" Rematerialising the stacked layers was tried ({', '.join(policies)}): the "
+            f"smallest with it ({best.name} on {mesh_str(best.mesh_shape)}) is still "
+            f"{over} over."
+        )
+        if part in ("activations", "batch"):
+            helps.append(smaller_batch)
+        helps += ["a smaller optimiser state (e.g. bfloat16 moments)"]
+    elif part in ("activations", "batch"):
         helps += [
             "activation checkpointing in `step` (`eqx.filter_checkpoint` or `jax.checkpoint` "
             "around each block)",
-            f"a smaller batch (now {size}, {size // ways} per device)",
+            smaller_batch,
         ]
     else:
         helps += ["a smaller optimiser state (e.g. bfloat16 moments)", "lower-precision parameters"]
@@ -201,5 +222,5 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Valu
         f"`auto_plan`: no layout of {n} devices fits `budget` = {format_bytes(budget)} per "
         f"device. The smallest footprint is {format_bytes(smallest.total_bytes or 0)} per device "
         f"({smallest.name} on {mesh_str(smallest.mesh_shape)}), most of it {part} "
-        f"({format_bytes(part_bytes)}). What would help: {'; '.join(helps)}."
+        f"({format_bytes(part_bytes)}).{tried} What would help: {'; '.join(helps)}."
     )

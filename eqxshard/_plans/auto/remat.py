@@ -12,7 +12,9 @@ by arithmetic before anything is compiled:
   budget then with `"full"` (keep only each layer's input) and, where the devices have
   pinned host memory, `"offload"` (the matmul outputs in host memory).
 
-The same policy is given to every stack of the model. The recomputed flops come from the
+Each policy is first given to every stack of the model; where that fits and the model has
+several stacks, only those whose activations are largest are then tried with it
+(`remat_mix`). The recomputed flops come from the
 compiled program: its `cost_analysis()` flops over those of the layout without remat.
 `"offload"` also moves the activations it saves to host memory and back each step, over
 the `host` link.
@@ -25,7 +27,7 @@ from typing import Any
 
 from ..._tree import format_bytes
 from . import links as links_
-from .candidate import Candidate
+from .candidate import Candidate, not_compiled
 from .candidates import Layout
 from .view import seconds_str
 
@@ -36,6 +38,11 @@ THEN = ("full", "offload")
 def variant(layout: Layout, paths: list[str], policy: str) -> Layout:
     remat = tuple((p, policy) for p in paths)
     return dataclasses.replace(layout, name=f"{layout.name} + remat {policy}", remat=remat)
+
+
+def policy_of(layout: Layout) -> str:
+    """The remat policy of a variant: the one its stacks get that is not `"none"`."""
+    return next((p for _, p in layout.remat if p != "none"), "none")
 
 
 def _paths_str(paths: list[str]) -> str:
@@ -67,23 +74,16 @@ def worth(
 
 def dominated(v: Layout, base: Candidate, best: float) -> Candidate:
     """The row of a remat variant not compiled: it cannot beat a layout that fits."""
-    policy = v.remat[0][1]
     why = (
-        f"not compiled: dominated, remat {policy} only adds to {seconds_str(base.time)} per "
-        f"step without it, slower than {seconds_str(best)} of a layout that fits"
+        f"not compiled: dominated, remat {policy_of(v)} only adds to {seconds_str(base.time)} "
+        f"per step without it, slower than {seconds_str(best)} of a layout that fits"
     )
-    return dataclasses.replace(
-        base,
-        name=v.name,
-        bytes={},
-        total_bytes=None,
-        collectives={},
-        communication_time=None,
-        compute_time=None,
-        time=None,
-        fits=False,
-        measured_on="not compiled",
-        reason=why,
+    return not_compiled(
+        v,
+        why,
+        offload=base.offload,
+        host_bytes=base.host_bytes,
+        host_time=base.host_time,
         remat=dict(v.remat),
     )
 
@@ -99,9 +99,12 @@ def described(
     """A compiled remat row saying what it chose and why (`ratio`: its compiled flops
     over those of `base`); `"offload"` pays the host link for the activations it moves
     out and back."""
-    policy = v.remat[0][1]
-    paths = [p for p, _ in v.remat]
-    head = f"remat {policy} on {_paths_str(paths)}"
+    policy = policy_of(v)
+    on = [p for p, q in v.remat if q != "none"]
+    kept = [p for p, q in v.remat if q == "none"]
+    head = f"remat {policy} on {_paths_str(on)}"
+    if kept:
+        head += f" only ({_paths_str(kept)} kept whole: less to save there)"
     total = c.total_bytes or 0
     fit = (
         f"fits with {format_bytes(budget - total)} to spare"

@@ -37,7 +37,9 @@ class Plan:
     - `table`: every `Candidate`, ranked; `table[0]` is the chosen one.
     - `budget`: the budget in bytes per device.
     - `remat`: the rematerialisation policy per stacked layer, by its path: `"none"`,
-        `"dots"`, `"full"` or `"offload"` (`{}`: none chosen).
+        `"dots"`, `"full"` or `"offload"` (`{}`: none chosen), e.g. `{"encoder.blocks":
+        "dots", "decoder.blocks": "none"}`; or one policy (`"dots"`) for every stacked
+        layer.
     - `offload`: the parts held in pinned host memory between steps and moved in for
         the update: `("optimizer state",)` or `()`.
     - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
@@ -55,7 +57,7 @@ class Plan:
     batch_spec: PartitionSpec
     table: list[Candidate]
     budget: int
-    remat: dict[str, str]
+    remat: dict[str, str] | str
     offload: tuple[str, ...]
     pipeline: dict[str, Any] | None
 
@@ -66,7 +68,7 @@ class Plan:
         batch_spec: PartitionSpec,
         table: list[Candidate] | None = None,
         budget: int = 0,
-        remat: dict[str, str] | None = None,
+        remat: dict[str, str] | str | None = None,
         offload: tuple[str, ...] = (),
         pipeline: dict[str, Any] | None = None,
     ):

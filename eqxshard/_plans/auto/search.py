@@ -21,6 +21,7 @@ from . import (
     offload as offload_,
     rank as rank_,
     remat as remat_,
+    remat_mix,
     stages as stages_,
     topology,
 )
@@ -223,6 +224,24 @@ def auto_plan(
     if paths:
         pending = [(job.layout, c) for job, c in zip(work, candidates, strict=False)]
         candidates += skipped
+        savings = remat_mix.Savings(step, trace_args)
+
+        def remat_rows(todo: list[tuple[Any, Any, Candidate]]) -> list[tuple[Any, Candidate]]:
+            """Each variant in `todo` compiled, with its row saying what it chose."""
+            extra = [
+                jobs.place(problem, v, size, reach, available, budget_bytes) for v, _, _ in todo
+            ]
+            jobs.measure_all(problem, problem_key, extra, local, progress)
+            made = []
+            for job, (v, base, c) in zip(extra, todo, strict=True):
+                first = row(job)  # records its compiled compute in `raw`
+                ratio = raw[id(v)] / raw[id(base)] if raw.get(id(base)) else 1.0
+                if v.pipeline is not None:  # its compute is the model's, times the recompute
+                    first = row(job, max(ratio, 1.0))
+                links_here = topology.axis_links(v.shape, given, node)
+                made.append((v, remat_.described(first, v, c, ratio, budget_bytes, links_here)))
+            return made
+
         for policies in (remat_.FIRST, remat_.THEN):
             if not offload_.supported(available):
                 policies = tuple(p for p in policies if p != "offload")
@@ -231,21 +250,21 @@ def auto_plan(
             for v, c in pruned:
                 row_ = remat_.dominated(v, c, best or 0.0)
                 candidates.append(remat_.with_choices(row_, v, stages_.options(v)))
-            extra = [
-                jobs.place(problem, v, size, reach, available, budget_bytes) for v, _, _ in todo
+            made = remat_rows(todo)
+            # Where every stack rematerialised fits, the fewest stacks that would, alone.
+            mixes = []
+            for (v, base, c), (_, every) in zip(todo, made, strict=True):
+                policy = remat_.policy_of(v)
+                some = remat_mix.mix(base, c, every, policy, savings(policy), budget_bytes)
+                if some is not None:
+                    mixes.append((some, base, c))
+            made += remat_rows(mixes)
+            candidates += [c for _, c in made]
+            pending = [
+                (base, c)
+                for (v, base, c), (_, r) in zip(todo, made, strict=False)
+                if not r.fits and remat_.policy_of(v) in remat_.FIRST
             ]
-            jobs.measure_all(problem, problem_key, extra, local, progress)
-            pending = []
-            for job, (v, base, c) in zip(extra, todo, strict=True):
-                first = row(job)
-                ratio = raw[id(v)] / raw[id(base)] if raw.get(id(base)) else 1.0
-                if v.pipeline is not None:  # its compute is the model's, times the recompute
-                    first = row(job, max(ratio, 1.0))
-                links_here = topology.axis_links(v.shape, given, node)
-                made = remat_.described(first, v, c, ratio, budget_bytes, links_here)
-                candidates.append(made)
-                if not made.fits and v.remat[0][1] in remat_.FIRST:
-                    pending.append((base, c))
             pending = list({id(b): (b, c) for b, c in pending}.values())
     table = rank_.rank(candidates, budget_bytes)
     if not table[0].fits:

@@ -111,7 +111,7 @@ def jit(
     return PlanStep(step, mesh, rules, batch_spec, donate, offload)
 
 
-def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str], pipeline: Any) -> Any:
+def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str] | str, pipeline: Any) -> Any:
     """`model` with its `Stacked` layers set to the plan's `remat` and `pipeline` (the
     model itself when the plan chose neither)."""
     if not remat and pipeline is None:
@@ -119,6 +119,6 @@ def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str], pipeline
     return configure(verb, model, remat=remat, pipeline=pipeline, mesh=mesh)
 
 
-def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str], pipeline: Any) -> Any:
+def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str] | str, pipeline: Any) -> Any:
     """`Plan.apply`, given the plan's concrete mesh, rules and choices."""
     return filter_shard(configured("Plan.apply", model, mesh, remat, pipeline), mesh, rules)

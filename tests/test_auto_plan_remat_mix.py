@@ -1,0 +1,173 @@
+"""A remat policy per `eqxshard.Stacked`: `Plan.remat` by path (or one policy for every
+stack), each stack configured with its own, and `auto_plan` rematerialising only the
+stacks whose activations are largest where that fits (what each stack saves read from the
+step's jaxpr, the fewest that cover the excess compiled once more)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+import stacked_decoder as sd
+from helpers import compiled_total
+from jax.sharding import PartitionSpec as P
+
+import eqxshard
+from eqxshard._plans.auto import rank as rank_, remat_mix
+from eqxshard._plans.auto.candidates import Layout
+from eqxshard._tree import is_array_like
+
+BATCH, TOKENS, WIDTH, F32 = 16, 32, 32, 4
+
+
+def _args(model):
+    abstract = eqx.filter_eval_shape(lambda: model)
+    state = jax.eval_shape(sd.OPTIMIZER.init, eqx.filter(abstract, is_array_like))
+    return abstract, state, sd.shapes(BATCH, TOKENS)
+
+
+def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
+    args = _args(sd.make_two(jax.random.key(0)))
+    rows = BATCH * TOKENS * F32
+    # Without remat a block keeps its input (width), and its hidden pre- and post-tanh.
+    kept = remat_mix.saved_bytes(sd.step, args, "none")
+    assert kept == {
+        "wide": 3 * rows * (WIDTH + 2 * 512),
+        "narrow": 5 * rows * (WIDTH + 2 * 64),
+    }
+    # "full" keeps each layer's input only; "offload" keeps on the device what "full" does.
+    full = {"wide": 3 * rows * 2 * 512, "narrow": 5 * rows * 2 * 64}
+    savings = remat_mix.Savings(sd.step, args)
+    assert savings("full") == full and savings("offload") == full
+    # "dots" keeps the matmul outputs: the hidden pre-tanh, and the block's output.
+    assert savings("dots") == {"wide": 3 * rows * 512, "narrow": 5 * rows * 64}
+    assert savings("none") is None
+
+
+def _row(name: str, total: int, fits: bool) -> eqxshard.Candidate:
+    return eqxshard.Candidate(
+        rank=0,
+        name=name,
+        mesh_shape={"data": 2},
+        rules=P(),
+        bytes={"activations": total},
+        total_bytes=total,
+        collectives={},
+        communication_time=0.0,
+        compute_time=1.0,
+        time=1.0,
+        fits=fits,
+        estimated=False,
+        measured_on="compiled here",
+        reason="",
+    )
+
+
+def test_a_mix_rematerialises_the_fewest_largest_stacks_that_cover_the_excess():
+    base = Layout("DP", {"data": 2}, P())
+    without, every = _row("DP", 1000, False), _row("DP + remat full", 400, True)
+    saving = {"a": 100, "b": 500, "c": 400}  # shares of the 600 bytes the compile saved
+    # 150 over: "b" alone saves ~300 by its share, more than 1.1 x 150.
+    some = remat_mix.mix(base, without, every, "full", saving, 850)
+    assert some is not None and some.name == "DP + remat full on b"
+    assert some.remat == (("a", "none"), ("b", "full"), ("c", "none"))
+    # 400 over: "b" and "c" (~540 saved) are needed, not "a".
+    some = remat_mix.mix(base, without, every, "dots", saving, 600)
+    assert some is not None and dict(some.remat) == {"a": "none", "b": "dots", "c": "dots"}
+    # Every stack needed, remat on every stack not fitting, shares unknown, one stack: none.
+    assert remat_mix.mix(base, without, every, "full", saving, 420) is None
+    assert remat_mix.mix(base, without, _row("x", 900, False), "full", saving, 850) is None
+    assert remat_mix.mix(base, without, every, "full", None, 850) is None
+    assert remat_mix.mix(base, without, every, "full", {"a": 1}, 850) is None
+
+
+def test_a_plan_takes_a_policy_per_stack_or_one_for_all():
+    model = sd.make_two(jax.random.key(0))
+    per_stack = eqxshard.Plan(
+        mesh={"data": 2}, rules=P(), batch_spec=P("data"), remat={"wide": "dots", "narrow": "none"}
+    )
+    one = eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P("data"), remat="full")
+    for plan in (per_stack, one):
+        assert eval(repr(plan), {"Plan": eqxshard.Plan, "P": P}) == plan
+    assert "remat='full'" in repr(one) and per_stack != one
+    configured = per_stack.apply(model)
+    assert (configured.wide.remat, configured.narrow.remat) == ("dots", "none")
+    configured = one.apply(model)
+    assert (configured.wide.remat, configured.narrow.remat) == ("full", "full")
+    x = sd.data(4, 4)[0]
+    np.testing.assert_allclose(jax.vmap(configured)(x), jax.vmap(model)(x), rtol=1e-5)
+    with pytest.raises(ValueError, match=r"`remat='some'`; a policy for every stacked layer"):
+        eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P(), remat="some")
+    with pytest.raises(TypeError, match=r"or one policy for every stacked layer"):
+        eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P(), remat=["dots"])
+
+
+def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
+    plain = _row("DP", 3 << 20, False)
+    remat = eqxshard.Candidate(
+        **{**_row("DP + remat full", 2 << 20, False).__dict__, "remat": {"blocks": "full"}}
+    )
+    error = rank_.nothing_fits(rank_.rank([plain, remat], 1 << 20), 1 << 20, 2, 16)
+    message = str(error)
+    assert "Rematerialising the stacked layers was tried (full)" in message
+    assert "(DP + remat full on data=2) is still 1.0 MiB over" in message
+    assert "activation checkpointing" not in message
+    error = rank_.nothing_fits(rank_.rank([plain], 1 << 20), 1 << 20, 2, 16)
+    assert "activation checkpointing in `step`" in str(error)
+    assert "was tried" not in str(error)
+
+
+def test_a_chosen_remat_row_says_what_it_spares_once():
+    reason = "remat full on `blocks`: fits with 512.0 KiB to spare; without it 1.0 MiB over"
+    chosen = eqxshard.Candidate(
+        **{**_row("DP + remat full", 512 << 10, True).__dict__, "reason": reason}
+    )
+    over = eqxshard.Candidate(
+        **{
+            **_row("FSDP + remat dots", 2 << 20, False).__dict__,
+            "reason": "remat dots on `blocks`: still 1.0 MiB over; without it 2.0 MiB over",
+        }
+    )
+    table = rank_.rank([chosen, over], 1 << 20)
+    assert table[0].reason == (
+        "chosen: fits with 512.0 KiB to spare; the only one that fits; "
+        "remat full on `blocks`: without it 1.0 MiB over"
+    )
+    assert table[1].reason.startswith("over budget by 1.0 MiB (most is activations: 2.0 MiB); ")
+    assert table[1].reason.endswith("remat dots on `blocks`: without it 2.0 MiB over")
+
+
+@pytest.mark.heavy
+def test_auto_plan_rematerialises_only_the_wide_stack():
+    model = sd.make_two(jax.random.key(0))
+    options: dict[str, Any] = dict(
+        devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False, flops_per_second=1e9
+    )
+    plan = eqxshard.auto_plan(sd.step, model, sd.shapes(BATCH, TOKENS), **options)
+    assert plan.remat == {"wide": "full", "narrow": "none"} and plan.pipeline is None
+    chosen = plan.chosen
+    assert chosen.remat == plan.remat and chosen.name.endswith("+ remat full on wide")
+    assert "remat full on `wide` only (`narrow` kept whole" in chosen.reason
+    assert chosen.reason.count("to spare") == 1
+    # The same layout with every stack rematerialised fits too, and is slower.
+    every = next(c for c in plan.table if c.name == chosen.name.removesuffix(" on wide") and c.fits)
+    assert every.remat == {"wide": "full", "narrow": "full"}
+    assert (every.time or 0) > (chosen.time or 0)
+    assert eval(repr(plan), {"Plan": eqxshard.Plan, "P": P, "fsdp": eqxshard.fsdp}) == plan
+    # `plan.jit(step)` compiles to the table's bytes, and trains as one device does.
+    made, state = plan.init(sd.make_two, sd.OPTIMIZER)(jax.random.key(0))
+    assert (made.wide.remat, made.narrow.remat) == ("full", "none")
+    batch = sd.data(BATCH, TOKENS)
+    train_step = plan.jit(sd.step)
+    total = compiled_total(train_step.lower(made, state, batch).compile().memory_analysis())
+    assert abs(total - (chosen.total_bytes or 0)) <= 0.01 * total
+    one = sd.make_two(jax.random.key(0))
+    one_state = sd.OPTIMIZER.init(eqx.filter(one, eqx.is_array))
+    one_step = eqx.filter_jit(sd.step)
+    for _ in range(2):
+        made, state, loss = train_step(made, state, batch)
+        one, one_state, one_loss = one_step(one, one_state, batch)
+        np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
