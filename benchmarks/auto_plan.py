@@ -1,10 +1,11 @@
 """`auto_plan` on a GPT-style decoder, against a brute force that compiles every candidate.
 
 A decoder of about 135M parameters (GPT-2 small's shape: width 768, 12 layers, 12 heads,
-MLP 3072, a 32768-token vocabulary, layers scanned), trained with AdamW on 8 CPU devices
-on batches of 16 sequences of 128 tokens (`--batch 4`: 4 sequences, which cannot be split
-8 ways, so that FSDP over all 8 devices is out),
-for three budgets per device: a generous one; one where data parallel does not fit; and
+MLP 3072, a 32768-token vocabulary, layers scanned), trained by the step and AdamW of
+`_decoder.py` (as the 7B and 70B benchmarks) on 8 CPU devices on batches of 16 sequences
+of 128 tokens (`--batch 4`: 4 sequences, which cannot be split 8 ways, so that FSDP over
+all 8 devices is out), for three budgets per device: a generous one; one where data
+parallel does not fit; and
 one where only FSDP x TP layouts fit (the latter two are read off the generous run's
 table: just under the smallest data-parallel footprint (or, when the batch cannot split
 8 ways, under its parameters, gradients and AdamW moments, replicated), and just over the smallest
@@ -37,7 +38,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import equinox as eqx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
+from _decoder import optimizer as OPTIMIZER, step  # noqa: E402  (benchmarks/_decoder.py)
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
@@ -89,19 +90,6 @@ def decoder(vocab: int, width: int, heads: int, hidden: int, depth: int, **_: in
             return jax.vmap(lambda v: self.head(self.norm(v)))(x)
 
     return Decoder
-
-
-OPTIMIZER = optax.adamw(1e-3)
-
-
-def step(model, opt_state, batch):
-    def loss_fn(model):
-        logits = jax.vmap(model)(batch[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss
 
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

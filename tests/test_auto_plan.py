@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compiled_total
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -70,12 +71,7 @@ def _compiled_total(model, opt_state, batch, loss_sharding):
     jitted = jax.jit(run, donate_argnums=(0, 1), out_shardings=out)
     m = jitted.lower(params, opt_state, batch).compile().memory_analysis()
     assert m is not None
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + (m.temp_size_in_bytes)
-    )
+    return compiled_total(m)
 
 
 def test_chosen_plan_fits_by_its_own_compile_and_trains_like_unsharded(plan):

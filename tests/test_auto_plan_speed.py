@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import compiled_total
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -67,12 +68,7 @@ def own_compile(step, model, mesh, spec, batch, batch_spec):
     jitted = jax.jit(run, donate_argnums=(0, 1), out_shardings=out)
     m = jitted.lower(params, opt_state, batch).compile().memory_analysis()
     assert m is not None
-    return (
-        m.argument_size_in_bytes
-        + m.output_size_in_bytes
-        - m.alias_size_in_bytes
-        + m.temp_size_in_bytes
-    )
+    return compiled_total(m)
 
 
 def test_rejection_by_arithmetic_counts_what_the_step_keeps():
