@@ -5,7 +5,9 @@ step moves it to the device for the update and back (`filter_put` inside `jit`),
 crosses the `host` link twice per step. It saves the state's bytes in device memory, so
 it is tried only for a layout that does not fit without it and would with the state's
 bytes gone: a layout that fits already is faster without (no host traffic), and one
-still over budget without the state cannot fit with it. Backends without pinned host
+still over budget without the state cannot fit with it. A layout whose stacks were
+rematerialised and that is still over is tried with its state offloaded too, by the
+same test. Backends without pinned host
 memory, and JAX versions that cannot move memory kinds inside `jit`, are not offered it.
 """
 
@@ -15,7 +17,8 @@ import dataclasses
 from typing import Any
 
 from ... import _compat
-from . import links as links_
+from . import links as links_, topology
+from .candidate import Candidate, not_compiled
 from .candidates import Layout
 from .measure import HOST
 from .view import seconds_str
@@ -57,3 +60,29 @@ def seconds(state: int, links: dict[str, links_.Link]) -> float:
     """The state's trips to the device and back over the `host` link, per step."""
     link = links.get("host", links_.LINKS["host"])
     return 2 * (link.latency + state / link.bandwidth)
+
+
+def after_remat(
+    tried: list[tuple[Layout, Layout, Candidate, Candidate]],
+    budget: int,
+    best: float | None,
+    links: Any,
+    node: int | None,
+) -> tuple[list[tuple[Layout, Layout, Candidate]], list[tuple[Layout, Candidate]]]:
+    """The rematerialised layouts (`tried`: each variant, its base layout and row, and its
+    own row) still over budget that would fit with their optimiser state in host memory:
+    those worth compiling (with their base layout and row), and each dominated (with its row)
+    by `best`, the fastest step of a layout that fits (`links`, `node`: as `auto_plan`
+    was given them)."""
+    todo, slow = [], []
+    for v, base, c, r in tried:
+        state = r.bytes.get("optimizer state", 0)
+        if r.fits or v.offload or r.time is None or not could_fit(r.total_bytes, state, budget):
+            continue
+        layout = variant(v)
+        floor = r.time + seconds(state, topology.axis_links(v.shape, links, node))
+        if best is not None and floor >= best:
+            slow.append((layout, not_compiled(layout, dominated(floor, best))))
+        else:
+            todo.append((layout, base, c))
+    return todo, slow

@@ -242,6 +242,7 @@ def auto_plan(
                 made.append((v, remat_.described(first, v, c, ratio, budget_bytes, links_here)))
             return made
 
+        tried: list[tuple[Any, Any, Candidate, Candidate]] = []
         for policies in (remat_.FIRST, remat_.THEN):
             if not offload_.supported(available):
                 policies = tuple(p for p in policies if p != "offload")
@@ -260,12 +261,22 @@ def auto_plan(
                     mixes.append((some, base, c))
             made += remat_rows(mixes)
             candidates += [c for _, c in made]
+            tried += [
+                (v, base, c, r) for (v, base, c), (_, r) in zip(todo + mixes, made, strict=True)
+            ]
             pending = [
                 (base, c)
                 for (v, base, c), (_, r) in zip(todo, made, strict=False)
                 if not r.fits and remat_.policy_of(v) in remat_.FIRST
             ]
             pending = list({id(b): (b, c) for b, c in pending}.values())
+        if problem.trains and offload_.supported(available):
+            # Rematerialised and still over, but not by more than the optimiser state: that
+            # in host memory too (dominated when its trips alone make it slower).
+            best = min((c.time for c in candidates if c.fits and c.time), default=None)
+            both, slow = offload_.after_remat(tried, budget_bytes, best, given, node)
+            candidates += [remat_.with_choices(c, v, stages_.options(v)) for v, c in slow]
+            candidates += [c for _, c in remat_rows(both)]
     table = rank_.rank(candidates, budget_bytes)
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)

@@ -34,6 +34,8 @@ class CandidateLike(Protocol):
     def estimated(self) -> bool: ...
     @property
     def reason(self) -> str: ...
+    @property
+    def host_bytes(self) -> int: ...
 
 
 class PlanLike(Protocol):
@@ -124,17 +126,18 @@ def text(plan: PlanLike) -> str:
 
 def svg(plan: PlanLike, width: int = 640) -> str:
     """Stacked bars of bytes per device by part, one per measured candidate, and the budget
-    as a red line."""
+    as a red line; under a bar, a thin one for what the candidate holds in host memory (its
+    optimiser state, when offloaded), on the same scale."""
     shown = [c for c in plan.table if c.total_bytes is not None]
     if not shown:
         return ""
     labels = [f"{c.rank}. {c.name} ({mesh_str(c.mesh_shape)})" for c in shown]
     label_w = max(190, int(6.2 * max(len(t) for t in labels)) + 10)  # ~6 px a character
-    width = max(width, label_w + 450)
-    bar_h, gap, top = 14, 6, 22
+    width = max(width, label_w + 560)
+    bar_h, host_h, gap, top = 14, 5, 6, 22
     scale_max = max([plan.budget, *(c.total_bytes or 0 for c in shown)]) * 1.05
     span = width - label_w - 10
-    height = top + len(shown) * (bar_h + gap) + 10
+    height = top + len(shown) * (bar_h + host_h + gap) + 10
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         'font-family="sans-serif" font-size="11">'
@@ -144,8 +147,10 @@ def svg(plan: PlanLike, width: int = 640) -> str:
         out.append(f'<rect x="{x}" y="4" width="10" height="10" fill="{colour}"/>')
         out.append(f'<text x="{x + 13}" y="13">{part}</text>')
         x += 16 + 6 * len(part) + 8
+    out.append(f'<rect x="{x}" y="9" width="10" height="{host_h}" fill="{_COLOURS[2]}"/>')
+    out.append(f'<text x="{x + 13}" y="13">in host memory</text>')
     for k, c in enumerate(shown):
-        y = top + k * (bar_h + gap)
+        y = top + k * (bar_h + host_h + gap)
         label = html.escape(labels[k])
         out.append(f'<text x="0" y="{y + bar_h - 3}">{label}</text>')
         x0 = float(label_w)
@@ -159,6 +164,14 @@ def svg(plan: PlanLike, width: int = 640) -> str:
                     f"<title>{tip}</title></rect>"
                 )
                 x0 += w
+        if c.host_bytes:
+            w = c.host_bytes / scale_max * span
+            tip = html.escape(f"optimizer state in host memory: {format_bytes(c.host_bytes)}")
+            out.append(
+                f'<rect x="{label_w}" y="{y + bar_h}" width="{w:.1f}" height="{host_h}" '
+                f'fill="{_COLOURS[2]}" opacity="{1.0 if c.fits else 0.45}">'
+                f"<title>{tip}</title></rect>"
+            )
     bx = label_w + plan.budget / scale_max * span
     out.append(
         f'<line x1="{bx:.1f}" y1="{top - 4}" x2="{bx:.1f}" y2="{height - 4}" stroke="red" '
