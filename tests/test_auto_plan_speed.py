@@ -80,11 +80,13 @@ def test_rejection_by_arithmetic_counts_what_the_step_keeps():
     # The test's own compile of FSDP over 8 devices: its bytes per device are the budget.
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
     budget = own_compile(step, model, mesh, row.rules, batch, P("fsdp"))
-    assert abs(budget - row.total_bytes) <= 0.01 * budget
+    assert abs(budget - (row.total_bytes or 0)) <= 0.01 * budget
     every_gradient = 2 * row.bytes["parameters"] + row.bytes["optimizer state"]
     assert every_gradient + row.bytes["batch"] > budget  # counting them all rejected it
     plan = eqxshard.auto_plan(step, model, shapes, budget=budget, **options)
-    assert plan.chosen.mesh_shape == {"fsdp": 8} and plan.chosen.total_bytes <= budget
+    assert (
+        plan.chosen.mesh_shape == {"fsdp": 8} and (plan.chosen.total_bytes or budget + 1) <= budget
+    )
     # What arithmetic still rejects does not fit by a compile either.
     replicated = next(c for c in plan.table if c.mesh_shape == {"data": 8})
     assert replicated.measured_on == "not compiled"

@@ -25,7 +25,7 @@ import optax  # noqa: E402
 import eqxshard  # noqa: E402
 from eqxshard._plans.auto.view import svg  # noqa: E402  (the chart a notebook shows)
 
-optimizer = optax.adamw(1e-2)
+optimizer = optax.adamw(1e-3)  # as docs/auto_plan.md
 
 
 class Block(eqx.Module):

@@ -67,7 +67,7 @@ def after_remat(
     budget: int,
     best: float | None,
     links: Any,
-    node: int | None,
+    node: int,
 ) -> tuple[list[tuple[Layout, Layout, Candidate]], list[tuple[Layout, Candidate]]]:
     """The rematerialised layouts (`tried`: each variant, its base layout and row, and its
     own row) still over budget that would fit with their optimiser state in host memory:
