@@ -91,7 +91,7 @@ def test_a_plan_takes_a_policy_per_stack_or_one_for_all():
     )
     one = eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P("data"), remat="full")
     for plan in (per_stack, one):
-        assert eval(repr(plan), {"Plan": eqxshard.Plan, "P": P}) == plan
+        assert eval(repr(plan), {"Plan": eqxshard.Plan, "P": P, "PartitionSpec": P}) == plan
     assert "remat='full'" in repr(one) and per_stack != one
     configured = per_stack.apply(model)
     assert (configured.wide.remat, configured.narrow.remat) == ("dots", "none")
@@ -156,7 +156,8 @@ def test_auto_plan_rematerialises_only_the_wide_stack():
     every = next(c for c in plan.table if c.name == chosen.name.removesuffix(" on wide") and c.fits)
     assert every.remat == {"wide": "full", "narrow": "full"}
     assert (every.time or 0) > (chosen.time or 0)
-    assert eval(repr(plan), {"Plan": eqxshard.Plan, "P": P, "fsdp": eqxshard.fsdp}) == plan
+    namespace = {"Plan": eqxshard.Plan, "P": P, "PartitionSpec": P, "fsdp": eqxshard.fsdp}
+    assert eval(repr(plan), namespace) == plan
     # `plan.jit(step)` compiles to the table's bytes, and trains as one device does.
     made, state = plan.init(sd.make_two, sd.OPTIMIZER)(jax.random.key(0))
     assert (made.wide.remat, made.narrow.remat) == ("full", "none")

@@ -14,16 +14,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
+import jax.numpy as jnp
+import optax
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-import equinox as eqx  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import eqxshard  # noqa: E402
-from eqxshard._plans.auto.view import svg  # noqa: E402  (the chart a notebook shows)
+import eqxshard
+from eqxshard._plans.auto.view import svg  # the chart a notebook shows
 
 optimizer = optax.adamw(1e-3)  # as docs/auto_plan.md
 
@@ -82,6 +79,7 @@ def draw(chosen: eqxshard.Plan, out: Path) -> str:
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts its backends
     default = Path(__file__).with_name("auto_plan_memory.svg")
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else default
     made = plan()
