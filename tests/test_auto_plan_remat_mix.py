@@ -143,8 +143,16 @@ def test_a_chosen_remat_row_says_what_it_spares_once():
 @pytest.mark.heavy
 def test_auto_plan_rematerialises_only_the_wide_stack():
     model = sd.make_two(jax.random.key(0))
+    # Compute dominates the step (a slow device), so remat's recomputed flops count; and
+    # host memory is far (a slow `host` link), so offloading does not pay.
+    far = eqxshard.Link(bandwidth=1e7, latency=1e-3)
     options: dict[str, Any] = dict(
-        devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False, flops_per_second=1e9
+        devices=2,
+        budget="4MiB",
+        optimizer=sd.OPTIMIZER,
+        progress=False,
+        flops_per_second=1e9,
+        links={"host": far},
     )
     plan = eqxshard.auto_plan(sd.step, model, sd.shapes(BATCH, TOKENS), **options)
     assert plan.remat == {"wide": "full", "narrow": "none"} and plan.pipeline is None
