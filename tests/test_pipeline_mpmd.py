@@ -82,7 +82,7 @@ def test_value_and_gradients_match_scan(kind, shape, names, xspec, inner, schedu
     assert grad_x.sharding.is_equivalent_to(x.sharding, 2)
 
 
-def test_equinox_blocks_pytree_input_remat_and_an_unplaced_stack():
+def test_equinox_blocks_pytree_input_remat_an_unplaced_stack_and_the_mesh_set():
     mesh = make_mesh("auto", shape=(2, 4), names=("data", "stage"))
     keys = jax.random.split(jax.random.key(3), N)
     blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(D, D, key=k))(keys)  # not laid out yet
@@ -99,9 +99,10 @@ def test_equinox_blocks_pytree_input_remat_and_an_unplaced_stack():
         return loss(_scan(arrays, x, lambda b, h: layer(eqx.combine(b, static), h)))
 
     expected = eqx.filter_value_and_grad(reference)(blocks, x)
-    value, (grads, _) = eqxshard.pipeline_value_and_grad(
-        layer, blocks, x, loss, mesh=mesh, microbatches=8, remat="full"
-    )
+    with jax.set_mesh(mesh):  # the mesh in context; each stage's program runs on its own
+        value, (grads, _) = eqxshard.pipeline_value_and_grad(
+            layer, blocks, x, loss, microbatches=8, remat="full"
+        )
     _close((value, grads), expected)
     assert grads.weight.sharding.spec[0] == "stage"  # laid out over the stages first
 

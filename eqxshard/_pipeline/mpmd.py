@@ -93,6 +93,14 @@ def _total(values):
     return sum(values[1:], values[0])
 
 
+def _on(mesh: Mesh, program: Callable[..., Any], *args: Any) -> Any:
+    """`program(*args)` with `mesh` (a stage's) as the mesh in context, whatever mesh the
+    caller set with `jax.set_mesh`: `jit` refuses inputs on devices outside the context
+    mesh, and Explicit axes are looked up there."""
+    with jax.set_mesh(mesh):
+        return program(*args)
+
+
 def _zeros(piece: Any) -> Any:
     host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), piece)
     return filter_put(host, jax.tree.map(lambda a: a.sharding, piece))
@@ -132,9 +140,10 @@ def run_mpmd(
     meshes = submeshes.stage_meshes(mesh, axis)
     S, M = len(meshes), microbatches
     laid, pieces = submeshes.split(weights, mesh, axis, meshes)
-    xs = _cut(_batch_on(x, meshes[0], batch_axes), M)
-    has_targets = targets is not None
-    ts = _cut(_batch_on(targets, meshes[-1], batch_axes), M) if has_targets else [()] * M
+    xs = _on(meshes[0], _cut, _batch_on(x, meshes[0], batch_axes), M)
+    has_targets, ts = targets is not None, []
+    if has_targets:
+        ts = _on(meshes[-1], _cut, _batch_on(targets, meshes[-1], batch_axes), M)
     totals = [_zeros(p) for p in pieces]
     held: list[dict[int, Any]] = [{} for _ in range(S)]
     inbox: dict[tuple[str, int, int], Any] = {}
@@ -146,18 +155,29 @@ def run_mpmd(
                 h = xs[m] if s == 0 else inbox.pop(("F", s, m))
                 if s == S - 1:
                     target = (ts[m],) if has_targets else ()
-                    out, kept, how = _forward_last(
-                        layer, static, policy, loss, scale, pieces[s], h, target
+                    out, kept, how = _on(
+                        meshes[s],
+                        _forward_last,
+                        layer,
+                        static,
+                        policy,
+                        loss,
+                        scale,
+                        pieces[s],
+                        h,
+                        target,
                     )
                     values.append(out)
                 else:
-                    out, kept, how = _forward(layer, static, policy, pieces[s], h)
+                    out, kept, how = _on(meshes[s], _forward, layer, static, policy, pieces[s], h)
                     inbox[("F", s + 1, m)] = submeshes.move(out, meshes[s + 1])
                 held[s][m] = (kept, how)
             else:
                 kept, how = held[s].pop(m)
                 cotangent = None if s == S - 1 else inbox.pop(("B", s, m))
-                totals[s], grad_h = _backward(kept, how, pieces[s], cotangent, totals[s])
+                totals[s], grad_h = _on(
+                    meshes[s], _backward, kept, how, pieces[s], cotangent, totals[s]
+                )
                 if s > 0:
                     inbox[("B", s - 1, m)] = submeshes.move(grad_h, meshes[s - 1])
                 else:
@@ -165,6 +185,6 @@ def run_mpmd(
         if record is not None:
             kept_arrays = [[a for kept, _ in h.values() for a in kept] for h in held]
             record([len(h) for h in held], [_bytes_per_device(k) for k in kept_arrays])
-    value = _total(values)
+    value = _on(meshes[-1], _total, values)
     grad_w = submeshes.join(totals, pieces, laid)
-    return value, grad_w, _join(grad_x)
+    return value, grad_w, _on(meshes[0], _join, grad_x)
