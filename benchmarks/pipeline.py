@@ -58,7 +58,6 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
-from eqxshard._pipeline.value_and_grad import checked_run  # noqa: E402
 
 S = 4  # stages
 
@@ -260,7 +259,7 @@ def mpmd_table(blocks, x, pipe_mesh) -> None:
                 now = _live_per_device()
                 live.append(max(v - before.get(d, 0) for d, v in now.items()))
 
-            value, grads = checked_run(
+            value, grads = eqxshard.pipeline_value_and_grad(
                 layer,
                 stack,
                 xs,
@@ -268,7 +267,7 @@ def mpmd_table(blocks, x, pipe_mesh) -> None:
                 mesh=pipe_mesh,
                 microbatches=m,
                 schedule=schedule,
-                record=record,
+                on_tick=record,
             )
             assert abs(float(value) - reference) <= 1e-4 * abs(reference), schedule
             del grads

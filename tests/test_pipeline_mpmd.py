@@ -18,7 +18,6 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import eqxshard
 from eqxshard._pipeline import mpmd, ticks
-from eqxshard._pipeline.value_and_grad import checked_run
 
 D = 4  # features
 N = 8  # layers
@@ -155,7 +154,7 @@ def test_residuals_held_per_stage_are_bounded_by_the_stages_not_the_microbatches
     blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages())
     x = eqxshard.filter_shard(_x(32), mesh, P("data"))
     counts, sizes = [], []
-    checked_run(
+    eqxshard.pipeline_value_and_grad(
         _layer,
         blocks,
         x,
@@ -163,7 +162,7 @@ def test_residuals_held_per_stage_are_bounded_by_the_stages_not_the_microbatches
         mesh=mesh,
         microbatches=M,
         schedule=schedule,
-        record=lambda c, b: (counts.append(c), sizes.append(b)),
+        on_tick=lambda c, b: (counts.append(c), sizes.append(b)),
     )
     peaks = [max(c[s] for c in counts) for s in range(S)]
     byte_peaks = [max(b[s] for b in sizes) for s in range(S)]
@@ -232,6 +231,8 @@ def test_errors_of_its_own_arguments():
         _call(loss=3)
     with pytest.raises(ValueError, match=r"schedule=\.\.\.\)` takes one of '1f1b', 'gpipe'"):
         _call(schedule="zb")
+    with pytest.raises(TypeError, match=r"on_tick=\.\.\.\)` takes `None` or a callable.*got str"):
+        _call(on_tick="print")
     abstract = AbstractMesh((2, 4), ("data", "stage"))
     with pytest.raises(ValueError, match=r"needs a `jax.sharding.Mesh` with devices.*AbstractMesh"):
         _call(mesh=abstract)

@@ -174,13 +174,20 @@ def check_stacked(axis: Any, microbatches: Any, repeats: Any, mesh: Any) -> None
         )
 
 
-def check_mpmd(verb: str, loss: Any, schedule: Any, schedules: tuple[str, ...], mesh: Any) -> None:
-    """The MPMD pipeline's own arguments: `loss` callable, a known `schedule`, and a mesh
-    with devices (each stage's program runs on its own devices)."""
+def check_mpmd(
+    verb: str, loss: Any, schedule: Any, schedules: tuple[str, ...], mesh: Any, on_tick: Any
+) -> None:
+    """The MPMD pipeline's own arguments: `loss` (and `on_tick`) callable, a known
+    `schedule`, and a mesh with devices (each stage's program runs on its own devices)."""
     if not callable(loss):
         raise TypeError(
             f"`{verb}` needs `loss` to be a callable `loss(y) -> scalar` (or `loss(y, t)` "
             f"with `targets`), but got {type(loss).__name__}."
+        )
+    if on_tick is not None and not callable(on_tick):
+        raise TypeError(
+            f"`{verb}(on_tick=...)` takes `None` or a callable `on_tick(held, held_bytes)`, "
+            f"but got {type(on_tick).__name__}."
         )
     if schedule not in schedules:
         raise ValueError(

@@ -132,9 +132,9 @@ def run_mpmd(
     batch_axes: tuple[str, ...],
     policy: str,
     schedule: str,
-    record: Callable[[list[int], list[int]], object] | None = None,
+    on_tick: Callable[[list[int], list[int]], object] | None = None,
 ) -> tuple[Any, Any, Any]:
-    """The step on checked arguments: `(value, grad of weights, grad of x)`. `record`, if
+    """The step on checked arguments: `(value, grad of weights, grad of x)`. `on_tick`, if
     given, is called after each tick with the microbatches' residuals each stage holds and
     their bytes on the stage's fullest device."""
     meshes = submeshes.stage_meshes(mesh, axis)
@@ -182,9 +182,9 @@ def run_mpmd(
                     inbox[("B", s - 1, m)] = submeshes.move(grad_h, meshes[s - 1])
                 else:
                     grad_x[m] = grad_h
-        if record is not None:
+        if on_tick is not None:
             kept_arrays = [[a for kept, _ in h.values() for a in kept] for h in held]
-            record([len(h) for h in held], [_bytes_per_device(k) for k in kept_arrays])
+            on_tick([len(h) for h in held], [_bytes_per_device(k) for k in kept_arrays])
     value = _on(meshes[-1], _total, values)
     grad_w = submeshes.join(totals, pieces, laid)
     return value, grad_w, _on(meshes[0], _join, grad_x)

@@ -9,7 +9,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import Mesh
 from jaxtyping import PyTree
 
 from .._placement.put import filter_put
@@ -27,51 +27,6 @@ def _like_x(grad: Any, x: Any) -> Any:
     return filter_put(grad, target) if any(jax.tree.leaves(target)) else grad
 
 
-def checked_run(
-    layer: Callable[[Any, Any], Any],
-    blocks: Any,
-    x: Any,
-    loss: Callable[..., Any],
-    *,
-    targets: Any = None,
-    mesh: Mesh | AbstractMesh | None = None,
-    axis: str = "stage",
-    microbatches: int,
-    remat: str | None = None,
-    schedule: str = "1f1b",
-    record: Callable[[list[int], list[int]], object] | None = None,
-) -> tuple[Any, tuple[Any, Any]]:
-    """`pipeline_value_and_grad`, with `record` (see `mpmd.run_mpmd`) for measurements."""
-    checks.check_layer(_VERB, layer)
-    mesh = checks.get_mesh(_VERB, mesh, axis)
-    checks.check_mpmd(_VERB, loss, schedule, SCHEDULES, mesh)
-    assert isinstance(mesh, Mesh)
-    stages = dict(mesh.shape)[axis]
-    checks.check_counts(_VERB, microbatches, 1, stages)
-    checks.layer_count(_VERB, blocks, stages, 1)
-    checks.check_concrete(_VERB, blocks=blocks, x=x, targets=targets)
-    batch, batch_axes = checks.batch_size(_VERB, x, mesh, axis, microbatches)
-    checks.check_targets(_VERB, targets, batch)
-    policy = check_remat(_VERB, remat, mesh)
-    weights, static = eqx.partition(blocks, eqx.is_array)
-    value, grad_w, grad_x = run_mpmd(
-        layer,
-        weights,
-        static,
-        x,
-        loss,
-        targets,
-        mesh=mesh,
-        axis=axis,
-        microbatches=microbatches,
-        batch_axes=batch_axes,
-        policy=policy,
-        schedule=schedule,
-        record=record,
-    )
-    return value, (grad_w, _like_x(grad_x, x))
-
-
 def pipeline_value_and_grad(
     layer: Callable[[Any, Any], Any],
     blocks: PyTree,
@@ -84,6 +39,7 @@ def pipeline_value_and_grad(
     microbatches: int,
     remat: str | None = None,
     schedule: str = "1f1b",
+    on_tick: Callable[[list[int], list[int]], object] | None = None,
 ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
     """The value of a loss over a layer stack's output and its gradients with respect to
     the stack and the input, run as an MPMD pipeline in the 1F1B order: each stage is its
@@ -128,6 +84,9 @@ def pipeline_value_and_grad(
     - `remat`: each layer's `remat` policy, as for `filter_pipeline`.
     - `schedule`: `"1f1b"` (default), or `"gpipe"` (every forward, then every backward:
         the same values, `M` microbatches' residuals held per stage; for comparison).
+    - `on_tick`: `None`, or `on_tick(held, held_bytes)`, called after each tick (each
+        stage's next forward or backward) with, per stage, how many microbatches'
+        residuals it holds and their bytes on its fullest device: to measure memory.
 
     **Returns:**
 
@@ -142,8 +101,8 @@ def pipeline_value_and_grad(
         `repeats=1`); a mesh without devices; `schedule` not one named above; array leaves
         that are traced (inside `jit`, `grad` or `vmap`), each named; leaves of `targets`
         whose leading dim is not the batch, each named.
-    - `TypeError`: everything `filter_pipeline` raises for its types; `loss` not callable;
-        non-array leaves of `targets`, each named.
+    - `TypeError`: everything `filter_pipeline` raises for its types; `loss` or `on_tick`
+        not callable; non-array leaves of `targets`, each named.
 
     !!! Example
 
@@ -168,15 +127,32 @@ def pipeline_value_and_grad(
         )
         ```
     """
-    return checked_run(
+    checks.check_layer(_VERB, layer)
+    found = checks.get_mesh(_VERB, mesh, axis)
+    checks.check_mpmd(_VERB, loss, schedule, SCHEDULES, found, on_tick)
+    assert isinstance(found, Mesh)
+    mesh = found
+    stages = dict(mesh.shape)[axis]
+    checks.check_counts(_VERB, microbatches, 1, stages)
+    checks.layer_count(_VERB, blocks, stages, 1)
+    checks.check_concrete(_VERB, blocks=blocks, x=x, targets=targets)
+    batch, batch_axes = checks.batch_size(_VERB, x, mesh, axis, microbatches)
+    checks.check_targets(_VERB, targets, batch)
+    policy = check_remat(_VERB, remat, mesh)
+    weights, static = eqx.partition(blocks, eqx.is_array)
+    value, grad_w, grad_x = run_mpmd(
         layer,
-        blocks,
+        weights,
+        static,
         x,
         loss,
-        targets=targets,
+        targets,
         mesh=mesh,
         axis=axis,
         microbatches=microbatches,
-        remat=remat,
+        batch_axes=batch_axes,
+        policy=policy,
         schedule=schedule,
+        on_tick=on_tick,
     )
+    return value, (grad_w, _like_x(grad_x, x))
