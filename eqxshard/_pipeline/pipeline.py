@@ -148,10 +148,6 @@ def filter_pipeline(
         - `"offload"`: matmul outputs moved to host memory (`pinned_host`) and back
             (jax 0.8 or newer on CPU devices).
 
-    On jax 0.7, a derivative with respect to `blocks` alone of a pipeline whose output has a
-    part that does not depend on `blocks` fails inside JAX (`psum_invariant`'s transpose);
-    differentiate with respect to `x` too, or use jax 0.8 or newer.
-
     **Returns:**
 
     The output of the last layer: a PyTree with the structure, shapes and dtypes of `x`.
