@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
@@ -172,3 +173,20 @@ def check_stacked(axis: Any, microbatches: Any, repeats: Any, mesh: Any) -> None
             f"`Stacked` got `mesh` of type {type(mesh).__name__}; expected a "
             "`jax.sharding.Mesh` (or `None`, for the mesh set by `jax.set_mesh`)."
         )
+
+
+def warn_regrouped(verb: str, stage_major: bool, repeats: int, stages: int, axis: str) -> None:
+    """The warning for a circular `Stacked` pipelined in layer order: its weights move by
+    an all-to-all every step (and once more for their gradients)."""
+    if verb != "Stacked" or stage_major or repeats == 1 or stages == 1:
+        return
+    warnings.warn(
+        f"This circular `Stacked` (repeats={repeats}) is stored in layer order, as its stage "
+        f"count was unknown when it was built, so each step regroups its weights by an "
+        f"all-to-all over {axis!r} (and its gradients by another). Store it stage-major "
+        "once: build it with `mesh=` or under `jax.set_mesh(mesh)`, with "
+        "`eqxshard.filter_init(make_model, mesh, rules)`, or by a plan's `apply`; or "
+        "`Stacked.from_layers(stack.to_layers(), axis=..., microbatches=..., "
+        "repeats=..., mesh=mesh)`.",
+        stacklevel=2,
+    )

@@ -57,6 +57,7 @@ def run_pipeline(
     checks.layer_count(verb, blocks, stages, repeats)
     batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
     policy = check_remat(verb, remat, mesh)
+    checks.warn_regrouped(verb, stage_major, repeats, stages, axis)
     weights, static = eqx.partition(blocks, eqx.is_array)
     if _compat.axis_type_map(mesh)[axis] == AxisType.Explicit:
         weights = filter_shard(weights, mesh, lambda path, a: _over_stages(a, axis))
