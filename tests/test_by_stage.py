@@ -64,8 +64,8 @@ def test_a_circular_stack_stored_stage_major_lists_its_layer_numbers(stages):
     blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(
         jax.random.split(jax.random.key(0), n)
     )
-    options = dict(axis="stage", microbatches=stages, repeats=repeats, mesh=mesh)
-    model = {"stack": eqxshard.Stacked(blocks, **options), "head": jnp.ones(3)}
+    stack = eqxshard.Stacked(blocks, axis="stage", microbatches=stages, repeats=repeats, mesh=mesh)
+    model = {"stack": stack, "head": jnp.ones(3)}
     assert model["stack"].stages == stages
     rules = eqxshard.first(eqxshard.stages("stage", path=r"stack\.blocks\..*"), P())
     rows = eqxshard.describe(model, mesh, rules).by_stage()

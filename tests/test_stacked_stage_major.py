@@ -45,6 +45,7 @@ def all_to_alls(stack, m):
         compiled = step.lower(stack, x).compile()
         out = compiled(stack, x)
     text = compiled.as_text()
+    assert text is not None
     ops = [
         line for line in text.splitlines() if " all-to-all(" in line or "all-to-all-start(" in line
     ]
