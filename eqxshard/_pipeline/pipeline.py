@@ -14,6 +14,7 @@ from .. import _compat
 from .._placement.shard import filter_shard
 from .._shard_map.shard_map import filter_shard_map
 from . import checks
+from .order import warn_regrouped
 from .remat import check_remat, with_remat
 from .schedule import regroup, run_stages
 
@@ -57,7 +58,7 @@ def run_pipeline(
     checks.layer_count(verb, blocks, stages, repeats)
     batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
     policy = check_remat(verb, remat, mesh)
-    checks.warn_regrouped(verb, stage_major, repeats, stages, axis)
+    warn_regrouped(verb, stage_major, repeats, stages, axis)
     weights, static = eqx.partition(blocks, eqx.is_array)
     if _compat.axis_type_map(mesh)[axis] == AxisType.Explicit:
         weights = filter_shard(weights, mesh, lambda path, a: _over_stages(a, axis))

@@ -1,7 +1,7 @@
 """Reaching a circular `Stacked`'s stage-major order once, where its stage count was not
 known when it was built: `Plan.apply` and `filter_init` build the model's stacks with the
 mesh set, and a stack still in layer order warns when its pipeline regroups its weights
-every step (`checks.warn_regrouped`)."""
+every step (`order.warn_regrouped`)."""
 
 from __future__ import annotations
 
