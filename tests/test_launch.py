@@ -23,8 +23,16 @@ from eqxshard._processes import (
     launcher as _launch,
 )
 
-# Only stops a run that hangs; the runs here take seconds.
+# Only stops a run that hangs; the runs here take seconds on an idle machine.
 HANG_S = 120
+
+
+def hang_s() -> float:
+    """`HANG_S`, stretched by how far the machine is loaded past its cores (the launcher
+    and its children start Python processes, slow when many run at once): a bound that
+    stops a hang, never one a busy but working run reaches."""
+    busy = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return HANG_S * max(1.0, busy)
 
 
 def child_env() -> dict[str, str]:
@@ -48,7 +56,7 @@ def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
         env=child_env(),
         capture_output=True,
         text=True,
-        timeout=HANG_S,
+        timeout=hang_s() + 30,  # past a launcher's own `--timeout` of `hang_s()`
     )
 
 
@@ -61,7 +69,7 @@ def gone(pid: int) -> bool:
 
 
 def wait_for_files(paths: list[Path], proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + HANG_S
+    deadline = time.monotonic() + hang_s()
     while not all(p.exists() for p in paths):
         assert time.monotonic() < deadline, f"{paths} never appeared"
         assert proc is None or proc.poll() is None, "the launcher exited early"
@@ -152,10 +160,10 @@ def test_the_runner_says_a_missing_script_as_python_does(tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=HANG_S,
+        timeout=hang_s(),
     )
     plain = subprocess.run(
-        [sys.executable, "gone.py"], cwd=tmp_path, capture_output=True, text=True, timeout=HANG_S
+        [sys.executable, "gone.py"], cwd=tmp_path, capture_output=True, text=True, timeout=hang_s()
     )
     assert (done.returncode, done.stderr) == (plain.returncode, plain.stderr) == (2, plain.stderr)
     assert "can't open file" in done.stderr and "Traceback" not in done.stderr
@@ -211,7 +219,9 @@ def test_failure_ends_the_others(tmp_path, capfd):
             sys.exit(3)
         """,
     )
-    code = _launch.launch([str(child)], num_processes=2, grace=0.5, timeout=HANG_S, env=child_env())
+    code = _launch.launch(
+        [str(child)], num_processes=2, grace=0.5, timeout=hang_s(), env=child_env()
+    )
     out, err = capfd.readouterr()
     assert code == 3, err
     assert "[1] failing now" in out
@@ -252,6 +262,7 @@ def test_timeout_ends_every_process(tmp_path, capfd):
 )
 def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
     child = sleeper(tmp_path)
+    pids = [tmp_path / "pid0", tmp_path / "pid1"]
     launcher = subprocess.Popen(
         [sys.executable, "-m", "eqxshard.launch", "-n", "2", "--", str(child)],
         cwd=tmp_path,
@@ -260,19 +271,35 @@ def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
         stderr=subprocess.PIPE,
         text=True,
     )
+    ended = False
     try:
-        pids = [tmp_path / "pid0", tmp_path / "pid1"]
         wait_for_files(pids, launcher)
         launcher.send_signal(sig)
-        _, err = launcher.communicate(timeout=HANG_S)
+        _, err = launcher.communicate(timeout=hang_s())  # reaps it, closes its pipes
+        ended = True
     finally:
-        if launcher.poll() is None:  # only the launcher this test started
-            launcher.kill()
-            launcher.wait()
+        if not ended:
+            # A hang (or a failed wait): end what this test started, the launcher and the
+            # children it started (each in a session of its own: killing the launcher
+            # leaves them running), and close the launcher's pipes.
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.communicate()
+            for path in pids:
+                _kill_group_of(path)
     assert launcher.returncode == code
     assert f"[launch] {said}; ending every process" in err
     for path in pids:
         assert gone(int(path.read_text()))
+
+
+def _kill_group_of(path: Path) -> None:
+    """SIGKILL to the process group led by the child whose pid `path` holds, if it still
+    runs (the launcher starts each child as the leader of its own session)."""
+    try:
+        os.killpg(int(path.read_text()), signal.SIGKILL)
+    except (FileNotFoundError, ValueError, ProcessLookupError, PermissionError):
+        pass
 
 
 # ----------------------------------------------------------------------------- real JAX
@@ -333,7 +360,7 @@ def test_an_uncaught_exception_ends_the_jax_run(tmp_path):
         "--devices-per-process",
         "1",
         "--timeout",
-        str(HANG_S),
+        str(round(hang_s())),
         "--",
         str(child),
         cwd=tmp_path,
@@ -409,7 +436,7 @@ def test_system_exit_at_the_top_ends_at_once_with_its_code(
         command,
         capture_output=True,
         text=True,
-        timeout=HANG_S,
+        timeout=hang_s(),
         env=child_env(),
     )
     assert done.returncode == code, done.stderr
@@ -429,3 +456,30 @@ def test_cli_grace(capsys):
         _launch.main(["-n", "1", "--grace", "-1", "--", "x.py"])
     assert info.value.code == 2
     assert "`grace` must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+
+
+def test_the_output_forwarder_closes_its_pipe_when_writing_fails():
+    """A child's pipe is closed on every way out of the thread that forwards it, also
+    where writing the launcher's own output fails (e.g. a closed terminal)."""
+    import threading
+    import types
+
+    from eqxshard._processes import attempt
+
+    class Closed:
+        def write(self, data: bytes) -> None:
+            raise BrokenPipeError("the terminal is gone")
+
+        def flush(self) -> None:
+            pass
+
+    read, write = os.pipe()
+    os.write(write, b"a line\n")
+    os.close(write)
+    stream = os.fdopen(read, "rb")
+    process = types.SimpleNamespace(
+        joined=threading.Event(), printed=threading.Event(), stderr_tail=[]
+    )
+    with pytest.raises(BrokenPipeError):
+        attempt._forward(stream, b"[0] ", Closed(), threading.Lock(), process, False, lambda: None)  # pyright: ignore[reportArgumentType]
+    assert stream.closed

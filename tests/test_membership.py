@@ -133,3 +133,32 @@ def test_a_host_that_cannot_be_started_is_left_out_at_once(tmp_path: Path, capfd
         "hostX` exited with 255: ssh: connect to host hostX port 22: No route to host; "
         "stopping the run" in capfd.readouterr().err
     )
+
+
+def test_a_probe_interrupted_while_waiting_is_ended_and_its_pipe_closed(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Ctrl-C while the probe waits: the probe is killed, reaped and its pipe closed
+    before the interrupt goes on (no process left running, no unclosed pipe)."""
+    import os
+    import subprocess
+
+    import pytest
+
+    from eqxshard._processes import membership
+
+    seen: list[subprocess.Popen] = []
+    communicate = subprocess.Popen.communicate
+
+    def interrupted(self, *args, **kwargs):
+        if not seen:
+            seen.append(self)
+            raise KeyboardInterrupt
+        return communicate(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        membership._probe_one([sys.executable, "-c", "import time; time.sleep(60)"], os.environ, 30)
+    (proc,) = seen
+    assert proc.returncode is not None  # killed and reaped
+    assert proc.stderr is not None and proc.stderr.closed

@@ -80,13 +80,6 @@ def test_the_scan_gives_each_layer_the_loop_s_key(remat):
     close(stack(x[0], key=raw), loop(layers, x[0], raw))
 
 
-@pytest.mark.xfail(
-    tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 8),
-    reason="jax 0.7 asserts inside JAX while differentiating this pipeline under vmap with "
-    "keys (seen in CI's lowest part; not yet pinned down)",
-    raises=AssertionError,
-    strict=False,
-)
 @pytest.mark.parametrize(("repeats", "shared"), [(1, False), (2, True)])
 def test_the_pipeline_under_vmap_gives_each_layer_the_loop_s_key(repeats, shared):
     mesh = jax.make_mesh((4, 2), ("stage", "data"))

@@ -7,9 +7,14 @@ runs), the layer and stage-major orders a stack is stored in (`order`), its argu
 checks (`checks`), the per-layer `remat` policies (`remat`) shared by everything here,
 `Stacked` (`stacked`: a module holding a stack of blocks, run by the plain scan of `scan`
 or the pipeline; `convert`: stacking a list of blocks; `configure`: a model's stacks found
-by path and rebuilt with a plan's remat and pipeline choices; `keys`: a key per layer) and
+by path and rebuilt with a plan's remat and pipeline choices; `stage_major`: a circular
+stack built without a mesh stored stage-major by `filter_init` and `Plan.apply`; `keys`: a
+key per layer) and
 the batching rule that lets a pipelined stack see the whole batch under `jax.vmap`
-(`batching`).
+(`batching`). The MPMD form, each stage its own program on its own sub-mesh, is
+`pipeline_value_and_grad` (`value_and_grad`): the order of its forwards and backwards,
+1F1B or GPipe (`ticks`), the stages' sub-meshes and a stack's pieces on them
+(`submeshes`), and the driver running the stages' programs (`mpmd`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
 `eqxshard._shard_map` and this folder; never `_plans` or anything above (`_plans` sits

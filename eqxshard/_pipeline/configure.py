@@ -11,6 +11,7 @@ from jax.sharding import AbstractMesh, Mesh
 from .order import from_stage_major, to_stage_major
 from .scan import layer_count
 from .stacked import Stacked
+from .stage_major import with_mesh_set
 
 
 def dotted(path: Any) -> str:
@@ -52,8 +53,9 @@ def configure(
 ) -> Any:
     """`model` with each `Stacked` rebuilt with the policy `remat` gives its path (others
     keep theirs; a str is every stack's policy) and, with `pipeline` (`{"axis",
-    "microbatches", "repeats"}`), pipelined over `mesh`; raises `ValueError` for paths of
-    `remat` that are not stacks, and for a `pipeline` on a model without one."""
+    "microbatches", "repeats"}`), pipelined over `mesh` (each built with `mesh` set, so a
+    circular one is stored stage-major for it); raises `ValueError` for paths of `remat`
+    that are not stacks, and for a `pipeline` on a model without one."""
     found = stacks(model)
     unknown = [] if isinstance(remat, str) else sorted(set(remat) - set(found))
     if unknown or (pipeline is not None and not found):
@@ -82,7 +84,10 @@ def configure(
         blocks = leaf.blocks  # to layer order: a circular stack may be stored stage-major
         if leaf.stages is not None:
             blocks = from_stage_major(blocks, leaf.stages, leaf.repeats)
-        return Stacked(blocks, **options)
+        # Built with `mesh` set: a circular stack without a mesh of its own is stored
+        # stage-major for `mesh`'s stage count, so its pipeline moves no weights per step.
+        with with_mesh_set(mesh):
+            return Stacked(blocks, **options)
 
     return jax.tree_util.tree_map_with_path(rebuilt, model, is_leaf=_is_stacked)
 

@@ -1,10 +1,12 @@
 """The two orders a layer stack can be stored in: layer order (layer `i` at index `i`, what
 `filter_pipeline` takes) and stage-major (each stage's chunks next to each other, so that
 a split of the layer dim over the stage axis gives each stage the chunks the circular
-schedule runs on it). For `repeats=1` the two are the same."""
+schedule runs on it). For `repeats=1` the two are the same. Also the warning for a circular
+`Stacked` pipelined in layer order (`warn_regrouped`)."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import equinox as eqx
@@ -35,3 +37,20 @@ def to_stage_major(blocks: Any, stages: int, repeats: int) -> Any:
 def from_stage_major(blocks: Any, stages: int, repeats: int) -> Any:
     """The inverse of `to_stage_major`: a stage-major stack back in layer order."""
     return _swap_chunk_grid(blocks, stages, repeats)
+
+
+def warn_regrouped(verb: str, stage_major: bool, repeats: int, stages: int, axis: str) -> None:
+    """The warning for a circular `Stacked` pipelined in layer order: its weights move by
+    an all-to-all every step (and once more for their gradients)."""
+    if verb != "Stacked" or stage_major or repeats == 1 or stages == 1:
+        return
+    warnings.warn(
+        f"This circular `Stacked` (repeats={repeats}) is stored in layer order, as its stage "
+        f"count was unknown when it was built, so each step regroups its weights by an "
+        f"all-to-all over {axis!r} (and its gradients by another). Store it stage-major "
+        "once: build it with `mesh=` or under `jax.set_mesh(mesh)`, with "
+        "`eqxshard.filter_init(make_model, mesh, rules)`, or by a plan's `apply`; or "
+        "`Stacked.from_layers(stack.to_layers(), axis=..., microbatches=..., "
+        "repeats=..., mesh=mesh)`.",
+        stacklevel=2,
+    )

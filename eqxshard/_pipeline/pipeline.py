@@ -14,6 +14,7 @@ from .. import _compat
 from .._placement.shard import filter_shard
 from .._shard_map.shard_map import filter_shard_map
 from . import checks
+from .order import warn_regrouped
 from .remat import check_remat, with_remat
 from .schedule import regroup, run_stages
 
@@ -57,6 +58,7 @@ def run_pipeline(
     checks.layer_count(verb, blocks, stages, repeats)
     batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
     policy = check_remat(verb, remat, mesh)
+    warn_regrouped(verb, stage_major, repeats, stages, axis)
     weights, static = eqx.partition(blocks, eqx.is_array)
     if _compat.axis_type_map(mesh)[axis] == AxisType.Explicit:
         weights = filter_shard(weights, mesh, lambda path, a: _over_stages(a, axis))
@@ -147,10 +149,6 @@ def filter_pipeline(
         - `"full"`: nothing; the whole layer is recomputed;
         - `"offload"`: matmul outputs moved to host memory (`pinned_host`) and back
             (jax 0.8 or newer on CPU devices).
-
-    On jax 0.7, a derivative with respect to `blocks` alone of a pipeline whose output has a
-    part that does not depend on `blocks` fails inside JAX (`psum_invariant`'s transpose);
-    differentiate with respect to `x` too, or use jax 0.8 or newer.
 
     **Returns:**
 

@@ -122,5 +122,8 @@ def run_stages(
     init = (vary(get(zeros, 0)), vary(zeros), vary(zeros))
     (_, _, outs), _ = jax.lax.scan(tick, init, jnp.arange(M * R + S - 1))
     # Only the last stage holds the output: the sum over stages gives it to every stage.
+    # One `psum` per leaf, not one of them all: jax 0.7's transpose of a `psum` asserts
+    # that all its operands are differentiated, and a leaf that does not depend on what
+    # is differentiated (a key passed alongside `h`, a part of `h` the layers keep) is not.
     last = jax.tree.map(lambda a: jnp.where(s == S - 1, a, jnp.zeros_like(a)), outs)
-    return jax.lax.psum(last, axis)
+    return jax.tree.map(lambda a: jax.lax.psum(a, axis), last)

@@ -72,7 +72,8 @@ class Stacked(eqx.Module):
     other, so that the `stages` rule's contiguous split gives each stage the chunks the
     circular schedule runs on it and no weights move per step. `stages` records that
     stage count (`None`: layer order; a circular stack stored so is regrouped by an
-    all-to-all per step). `to_layers()` and `n` read the layers in layer order. A
+    all-to-all per step, with a warning; `filter_init` and `Plan.apply` build it with
+    their mesh set). `to_layers()` and `n` read the layers in layer order. A
     checkpoint names a stage-major stack's leaves with its order
     (`blocks.stage_major_4x2.…`), so it restores only into a `Stacked` stored the same
     way; a restore into another order is an error naming the leaves, never layers loaded

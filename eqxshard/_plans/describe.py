@@ -18,6 +18,7 @@ from jaxtyping import PyTree
 from .. import _compat
 from .._placement import spec_tree
 from .._tree import Flat, device_name, is_array_like
+from .by_stage import stage_major_paths
 from .plan import plan_shardings
 from .rules import dotted_path
 from .table import LeafRow, ShardingTable
@@ -122,6 +123,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     else:
         flat, planned = plan_shardings("describe", tree, target, spec, sync=False)
         shardings = {i: planned.get(i) for i in flat.array_indices}
+    orders = stage_major_paths(tree)
     rows: list[LeafRow] = []
     per_device: dict[Any, int] = {}
     by_part: dict[str, dict[Any, int]] = {}
@@ -144,6 +146,9 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
                 bytes=math.prod(shape) * itemsize,
                 bytes_per_device=max(held.values()) if held else None,
                 replicated=replicated,
+                stage_major=next(
+                    (o for p, o in orders if tuple(flat.paths[i][: len(p)]) == p), None
+                ),
             )
         )
     unsharded = sorted(

@@ -16,6 +16,7 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 from jaxtyping import PyTree
 
+from .._pipeline.stage_major import building_on, mesh_to_build_on
 from .._placement import place, resolve
 from .._tree import Flat, Params, T, is_array_like, leaf_error, pathstr
 
@@ -116,9 +117,17 @@ def _settled(sharding: Sharding | None) -> Sharding | None:
 class _Init(Generic[Params, T]):
     def __init__(self, fn: Callable[Params, T], target: Any, spec: Any):
         self.fn, self.target, self.spec = fn, target, spec
+        self.mesh_set: Any = None
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Flat, list[tuple[list[int], Any]], Any]:
         abstract = eqx.filter_eval_shape(self.fn, *args, **kwargs)
+        # A circular `Stacked` that `fn` builds without knowing its stage count is built
+        # again with the mesh set, so that it is stored stage-major (no weights moved per
+        # step); `fn` then runs with it set.
+        self.mesh_set = mesh_to_build_on(abstract, self.target)
+        if self.mesh_set is not None:
+            with building_on(self.mesh_set):
+                abstract = eqx.filter_eval_shape(self.fn, *args, **kwargs)
         flat, shardings = plan_shardings("filter_init", abstract, self.target, self.spec)
         _check_devices_known(flat, shardings)
         dynamic, static = eqx.partition((args, kwargs), eqx.is_array)
@@ -143,15 +152,17 @@ class _Init(Generic[Params, T]):
     def __call__(self, *args: Params.args, **kwargs: Params.kwargs) -> T:
         flat, jitted, dynamic = self._prepare(args, kwargs)
         arrays: dict[int, Any] = {}
-        for group, f in jitted:
-            arrays.update(zip(group, f(dynamic), strict=True))
+        with building_on(self.mesh_set):
+            for group, f in jitted:
+                arrays.update(zip(group, f(dynamic), strict=True))
         return flat.rebuild(arrays)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The `jax.stages.Lowered` of the init, e.g. for `.compile().memory_analysis()`
         (of the first device set's part, where the leaves go to several)."""
         _, jitted, dynamic = self._prepare(args, kwargs)
-        return jitted[0][1].lower(dynamic)
+        with building_on(self.mesh_set):
+            return jitted[0][1].lower(dynamic)
 
 
 def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -> _Init[Params, T]:
@@ -163,7 +174,10 @@ def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -
     `eqx.filter_eval_shape`, its shardings with `filter_plan`, and `fn` runs under
     `jax.jit` with those `out_shardings`, so XLA computes each shard on its own device.
     Use it to build a model too large for one device. Non-array leaves of the result
-    (activation functions, static fields) come from the abstract tree.
+    (activation functions, static fields) come from the abstract tree. Where `target` is
+    a mesh, none is set, and `fn` builds a circular `eqxshard.Stacked` (`repeats > 1`)
+    without one, `fn` runs with `target` set (`jax.set_mesh`), so that the stack is
+    stored stage-major for its stage count and its pipeline moves no weights per step.
 
     With several processes, call it on every process with the same arguments, over a
     mesh spanning all of them: each process then holds only its own devices' shards.

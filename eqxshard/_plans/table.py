@@ -25,6 +25,9 @@ class LeafRow:
     - `bytes`: the size of the whole leaf.
     - `bytes_per_device`: the most bytes of it on any one device (`None` if not placed).
     - `replicated`: whether every device of its sharding holds the whole leaf.
+    - `stage_major`: for a leaf of a circular `Stacked` stored stage-major, the
+        `(stages, repeats)` its layer dim is ordered for (`by_stage` numbers its layers
+        from it); `None` for a leaf in layer order (every other leaf).
     """
 
     path: str
@@ -35,6 +38,7 @@ class LeafRow:
     bytes: int
     bytes_per_device: int | None
     replicated: bool
+    stage_major: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -114,24 +114,24 @@ def _forward(
     on_joined: Callable[[], None],
 ) -> None:
     chatter = GlooChatter()  # one per process: its messages can be split over two lines
-    for line in iter(stream.readline, b""):
-        if not line.endswith(b"\n"):
-            line += b"\n"
-        if is_stderr and _JOINED in line:  # for the launcher, not shown
-            process.joined.set()
-            on_joined()
-            line = line.replace(_JOINED, b"")
-            if not line.strip():
-                continue
-        if is_stderr:
-            process.stderr_tail.append(line.decode(errors="replace").rstrip())
-        else:
-            process.printed.set()
-        with lock:
-            for kept in chatter.filter(line):
-                out.write(prefix + kept)
-            out.flush()
-    stream.close()
+    with stream:  # closed on every way out, also where writing to `out` fails
+        for line in iter(stream.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            if is_stderr and _JOINED in line:  # for the launcher, not shown
+                process.joined.set()
+                on_joined()
+                line = line.replace(_JOINED, b"")
+                if not line.strip():
+                    continue
+            if is_stderr:
+                process.stderr_tail.append(line.decode(errors="replace").rstrip())
+            else:
+                process.printed.set()
+            with lock:
+                for kept in chatter.filter(line):
+                    out.write(prefix + kept)
+                out.flush()
 
 
 def run_attempt(

@@ -53,16 +53,24 @@ def _probe_one(argv: list[str], env: Mapping[str, str], timeout: float) -> str |
     try:
         _, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the probe's own session only
-        except (ProcessLookupError, PermissionError):
-            pass
-        proc.communicate()
+        _end_probe(proc)
         return f"`{shown}` did not answer within {timeout:g} s"
+    except BaseException:  # Ctrl-C while waiting: no probe left running, no pipe open
+        _end_probe(proc)
+        raise
     if proc.returncode == 0:
         return None
     said = [line.strip() for line in err.decode(errors="replace").splitlines() if line.strip()]
     return f"`{shown}` exited with {proc.returncode}: " + (" | ".join(said[-3:]) or "(no output)")
+
+
+def _end_probe(proc: subprocess.Popen[bytes]) -> None:
+    """Kills a probe (its own session only), reaps it and closes its pipe."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.communicate()
 
 
 def probe(

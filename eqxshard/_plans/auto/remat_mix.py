@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from typing import Any, cast
+from typing import Any
 
 import equinox as eqx
 import jax
+from jax.sharding import Mesh
 
 from ... import _compat
 from ..._pipeline.configure import configure, configure_like, layers, stacks
@@ -72,7 +73,8 @@ def saved_bytes(step: Any, args: tuple, policy: str) -> dict[str, int] | None:
     model = args[0]
     found = stacks(model)
     remat = {p: policy for p in found}
-    configured = configure("auto_plan", model, remat=remat, pipeline=None, mesh=cast(Any, None))
+    one = Mesh(jax.devices()[:1], ("data",))  # no pipeline: any mesh
+    configured = configure("auto_plan", model, remat=remat, pipeline=None, mesh=one)
     rest = list(args[1:])
     if len(args) == 3:
         rest[0] = configure_like(args[1], configured)
