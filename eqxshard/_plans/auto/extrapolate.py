@@ -3,8 +3,9 @@
 The smaller mesh has the same batch per device. Its `data` axis shrinks first (to 1 if
 need be): that changes nothing on any one device, only the gradients' all-reduce over
 `data`, whose bytes are known (the gradient bytes per device), so the figures stay
-exact. Only then do `fsdp` and `model` shrink (kept at 2 or more while they can). What
-changes, and how:
+exact. Only then do `fsdp` and `model` shrink (kept at 2 or more while they can). A
+`stage` axis never shrinks (`stages_scaled`): each device keeps its layers and
+microbatches, and its permutes go to the same neighbours. What changes, and how:
 
 - parameters, gradients, optimiser state and batch per device: exact, from the large
   mesh's shardings (`filter_plan` on an `AbstractMesh`);
@@ -36,7 +37,8 @@ def _smallest_factor(n: int) -> int:
 
 def reduced_shape(shape: dict[str, int], limit: int) -> dict[str, int]:
     """`shape` shrunk by prime factors until it has at most `limit` devices: `data`
-    first, then `fsdp` and `model` kept at 2 or more while they can be."""
+    first, then `fsdp` and `model` kept at 2 or more while they can be; `stage` kept
+    (a stage axis over `limit` is not scaled: `stages_scaled.compilable`)."""
     small = dict(shape)
     while math.prod(small.values()) > limit:
         if small.get("data", 1) > 1:

@@ -1,0 +1,101 @@
+"""`auto_plan` weighs a stage axis on meshes larger than `compile_limit` too: scaled from a
+compile on a smaller stage mesh (the stage axis kept, `data` and `fsdp` shrunk) by the rule
+the plain meshes use, and compiled only where a floor of its step time can beat the
+fastest layout without stages."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+import stacked_decoder as sd
+from helpers import compiled_total
+
+import eqxshard
+from eqxshard._plans.auto import links as links_, stages_scaled
+from eqxshard._plans.auto.candidates import Layout
+from eqxshard._plans.auto.extrapolate import reduced_shape
+from eqxshard._plans.auto.jobs import Job
+
+SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
+# The scaled bytes per device of a stage mesh against a compile of it: `fsdp` shrunk to 1
+# on the smaller mesh counts the optimiser update's temporaries whole (2% over here).
+TOLERANCE = 0.05
+
+
+def _make(key):
+    return sd.make(key, width=16, hidden=64, layers=4)
+
+
+@pytest.fixture(scope="module")
+def plan():
+    # Slow links on every axis but `stage`: a stage mesh wins. Four devices, compiled on
+    # at most two: every mesh is scaled, and four stages cannot be compiled at all.
+    links = {"data": SLOW, "fsdp": SLOW, "model": SLOW}
+    options: dict[str, Any] = dict(
+        devices=4, budget="1GiB", optimizer=sd.OPTIMIZER, progress=False, links=links
+    )
+    model = _make(jax.random.key(0))
+    return eqxshard.auto_plan(
+        sd.step, model, sd.shapes(batch=16, tokens=4), compile_limit=2, **options
+    )
+
+
+@pytest.mark.heavy
+def test_stage_meshes_above_compile_limit_are_scaled_from_smaller_stage_meshes(plan):
+    scaled = [c for c in plan.table if c.pipeline is not None and c.time is not None]
+    assert {tuple(c.mesh_shape.items()) for c in scaled} == {
+        (("stage", 2), ("data", 2)),
+        (("stage", 2), ("fsdp", 2)),
+    }
+    for c in scaled:
+        assert c.estimated and c.measured_on.startswith("estimated from a compile on stage=2")
+        assert "bubble" in c.reason
+    too_large = [c for c in plan.table if c.mesh_shape == {"stage": 4}]
+    assert too_large and all(c.time is None for c in too_large)
+    assert any("over `compile_limit` = 2" in c.reason for c in too_large)
+
+
+@pytest.mark.heavy
+def test_the_scaled_bytes_of_the_chosen_stage_plan_are_those_of_its_compile(plan):
+    chosen = plan.chosen
+    assert chosen.pipeline is not None and chosen.estimated
+    model, state = plan.init(_make, sd.OPTIMIZER)(jax.random.key(0))
+    compiled = plan.jit(sd.step).lower(model, state, sd.data(batch=16, tokens=4)).compile()
+    total = compiled_total(compiled.memory_analysis())
+    assert abs(chosen.total_bytes - total) <= TOLERANCE * total
+
+
+def test_reduced_shape_keeps_the_stage_axis():
+    assert reduced_shape({"stage": 4, "data": 8, "fsdp": 16}, 8) == {
+        "stage": 4,
+        "data": 1,
+        "fsdp": 2,
+    }
+    assert reduced_shape({"stage": 8, "data": 64}, 8) == {"stage": 8, "data": 1}
+
+
+def _job(shape, gradients):
+    layout = Layout("PP x DP", shape, None, pipeline=(4, 1))
+    return Job(layout, {"parameters": gradients, "gradients": gradients})
+
+
+def test_a_scaled_stage_mesh_slower_by_its_floor_is_not_compiled():
+    links = {"data": links_.LINKS["inter_node"], "stage": links_.LINKS["intra_node"]}
+    flops, n, fps = 8e12, 64, 1e12  # 0.125 s of compute a device; bubble 3/7 on 4 stages
+    big = _job({"stage": 4, "data": 16}, 2**32)  # 0.16 s of all-reduce over `inter_node`
+    small = _job({"stage": 4, "data": 16}, 2**10)
+    nodata = _job({"stage": 4, "fsdp": 16}, 2**30)
+    low = stages_scaled.floor(small, flops, n, fps, links)
+    assert 0.125 / (1 - 3 / 7) < low < 0.125 / (1 - 3 / 7) + 0.01
+    best = low * 1.5
+    by_mesh = {repr(j.layout.shape): links for j in (big, small, nodata)}
+    kept, rows = stages_scaled.worth([big, small, nodata], best, flops, n, fps, by_mesh)
+    assert kept == [small, nodata]
+    (row,) = rows
+    assert row.time is None and row.pipeline == {"axis": "stage", "microbatches": 4, "repeats": 1}
+    assert row.reason.startswith("not compiled: dominated, at least")
+    assert "slower than" in row.reason and "without stages that fits" in row.reason
+    kept, rows = stages_scaled.worth([big], None, flops, n, fps, by_mesh)
+    assert kept == [big] and rows == []
