@@ -3,7 +3,7 @@
 The decoder has Llama-2-70B's shapes: width 8192, 80 blocks, 64 query heads sharing 8
 key/value heads (grouped-query attention, heads of 128), an MLP of 28672 with a SiLU
 gate, a 32000-token vocabulary; 68.98 billion parameters. Its blocks are stacked and
-scanned, each under `jax.checkpoint`, trained with AdamW on batches of 1024 sequences of
+scanned in an `eqxshard.Stacked`, each layer rematerialised, trained with AdamW on batches of 1024 sequences of
 4096 tokens (4M tokens a step), planned as shapes only (`eqx.filter_eval_shape`) for an
 80 GB accelerator, with 8 devices a node (`devices_per_node=8`: the mesh axes that span
 nodes get the `inter_node` link). Meshes of more than `--compile-limit` devices are
