@@ -19,9 +19,11 @@ from eqxshard._plans.auto.extrapolate import reduced_shape
 from eqxshard._plans.auto.jobs import Job
 
 SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
-# The scaled bytes per device of a stage mesh against a compile of it: `fsdp` shrunk to 1
-# on the smaller mesh counts the optimiser update's temporaries whole (2% over here).
-TOLERANCE = 0.05
+# The scaled bytes per device of a stage mesh against a compile of it: with `data` shrunk
+# to 1 on the smaller mesh, the gradients' all-reduce over it is added with a buffer of
+# their size, which XLA does not always allocate: the estimate is then high by up to the
+# gradients' bytes (8.7% of this tiny step, 41 KiB), never low.
+TOLERANCE = 0.10
 
 
 def _make(key):
@@ -45,16 +47,16 @@ def plan():
 @pytest.mark.heavy
 def test_stage_meshes_above_compile_limit_are_scaled_from_smaller_stage_meshes(plan):
     scaled = [c for c in plan.table if c.pipeline is not None and c.time is not None]
-    assert {tuple(c.mesh_shape.items()) for c in scaled} == {
-        (("stage", 2), ("data", 2)),
-        (("stage", 2), ("fsdp", 2)),
-    }
+    assert [c.mesh_shape for c in scaled] == [{"stage": 2, "data": 2}]
     for c in scaled:
         assert c.estimated and c.measured_on.startswith("estimated from a compile on stage=2")
         assert "bubble" in c.reason
-    too_large = [c for c in plan.table if c.mesh_shape == {"stage": 4}]
-    assert too_large and all(c.time is None for c in too_large)
-    assert any("over `compile_limit` = 2" in c.reason for c in too_large)
+    # Four stages, or two with fsdp (kept at 2 to show its collectives), need a compile
+    # on four devices: over the limit, rows that say so.
+    for shape in ({"stage": 4}, {"stage": 2, "fsdp": 2}):
+        rows = [c for c in plan.table if c.mesh_shape == shape]
+        assert rows and all(c.time is None for c in rows)
+        assert any("4 devices, over `compile_limit` = 2" in c.reason for c in rows)
 
 
 @pytest.mark.heavy
@@ -64,7 +66,8 @@ def test_the_scaled_bytes_of_the_chosen_stage_plan_are_those_of_its_compile(plan
     model, state = plan.init(_make, sd.OPTIMIZER)(jax.random.key(0))
     compiled = plan.jit(sd.step).lower(model, state, sd.data(batch=16, tokens=4)).compile()
     total = compiled_total(compiled.memory_analysis())
-    assert abs(chosen.total_bytes - total) <= TOLERANCE * total
+    assert total <= chosen.total_bytes <= (1 + TOLERANCE) * total
+    assert chosen.total_bytes - total <= chosen.bytes["gradients"]
 
 
 def test_reduced_shape_keeps_the_stage_axis():
@@ -74,6 +77,10 @@ def test_reduced_shape_keeps_the_stage_axis():
         "fsdp": 2,
     }
     assert reduced_shape({"stage": 8, "data": 64}, 8) == {"stage": 8, "data": 1}
+    # Every mesh of two stages with fsdp and model shrinks to the same one, far below 64.
+    for data, fsdp, model in ((4, 64, 4), (1, 8, 128), (16, 16, 4)):
+        shape = {"stage": 2, "data": data, "fsdp": fsdp, "model": model}
+        assert reduced_shape(shape, 64) == {"stage": 2, "data": 1, "fsdp": 2, "model": 2}
 
 
 def _job(shape, gradients):

@@ -202,14 +202,17 @@ def auto_plan(
     batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
     candidates = [row(job) for job in work]
     if scaled:
-        best = min((c.time or 0 for c in candidates if c.fits), default=None)
+        fastest = min((c for c in candidates if c.fits), key=lambda c: c.time or 0, default=None)
+        best = None if fastest is None else fastest.time or 0
+        tp = None if fastest is None else fastest.mesh_shape.get("model", 1)
+        scaled, other_tp = stages_scaled.same_model_size(scaled, tp)
         placed = [jobs.place(problem, v, size, reach, available, budget_bytes) for v in scaled]
         by_mesh = {repr(v.shape): topology.axis_links(v.shape, given, node) for v in scaled}
         more, dominated = stages_scaled.worth(placed, best, flops, n, flops_per_second, by_mesh)
         batch_proxies.measure(problem, problem_key, more, local, progress)
         work += more
         candidates += [row(job) for job in more]
-        skipped += dominated
+        skipped += dominated + other_tp
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
         # and could then be faster than the fastest that fits already.

@@ -1,16 +1,19 @@
 """Stage meshes with more devices than `compile_limit`: scaled from a compile on a smaller
 stage mesh, as the plain meshes are (`extrapolate`), and weighed by a floor first.
 
-A stage mesh `stage x data x fsdp` shrinks like any other (`extrapolate.reduced_shape`):
-`data` first, then `fsdp`; the stage axis keeps its size, so every device of the smaller
-mesh holds the same layers, the same microbatches of the same rows and the same
-parameters as on the large one, and the same rule scales its figures (its rows say
-"estimated from a compile on ..."). A stage axis larger than `compile_limit` cannot be
-compiled at all: its meshes are rows that say so.
+A stage mesh `stage x data x fsdp x model` shrinks like any other
+(`extrapolate.reduced_shape`): `data` first (to 1), then `fsdp` and `model` (to 2); the
+stage axis keeps its size, so every device of the smaller mesh holds the same layers and
+runs the same microbatches of the same rows as on the large one, and the same rule
+scales its figures (its rows say "estimated from a compile on ..."). Every mesh of as
+many stages with the same axes shrinks to the same smaller one: one compile. Where that
+one is over `compile_limit` (a stage axis near it), the meshes are rows that say so.
 
 Since one compile stands for many large meshes, and the search's time is spent compiling,
-a scaled stage mesh is compiled only when its floor can beat the fastest layout without
-stages that fits: its compute over `1 - bubble` (the step's matmul flops shared out), and
+a scaled stage mesh with a `model` axis (tensor parallel inside each stage) is weighed
+only at the `model` size of the fastest layout without stages that fits (the degree of
+tensor parallelism the links favour), and a scaled stage mesh is compiled only when its
+floor can beat that layout: its compute over `1 - bubble` (the step's matmul flops shared out), and
 where it has a `data` axis, the all-reduce of its gradients over it (their bytes per
 device are exact before compiling). A mesh whose floor is slower is a row that says so.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 from . import links as links_
 from .candidate import Candidate, not_compiled
 from .candidates import Layout
+from .extrapolate import stage_mesh_devices
 from .jobs import Job
 from .stages import AXIS, bubble, options
 from .view import seconds_str
@@ -30,12 +34,15 @@ def compilable(layouts: list[Layout], reach: int) -> tuple[list[Layout], list[Ca
     for each of the others."""
     kept, rows = [], []
     for layout in layouts:
-        stages = layout.shape[AXIS]
-        if stages <= reach:
+        needs = stage_mesh_devices(layout.shape)
+        if needs <= reach:
             kept.append(layout)
             continue
+        axes = " x ".join(
+            f"{a}={2 if a != AXIS else s}" for a, s in layout.shape.items() if a != "data"
+        )
         why = (
-            f"not compiled: {stages} stages need a compile on {stages} devices or more, over "
+            f"not compiled: scaled from a compile on {axes}, {needs} devices, over "
             f"`compile_limit` = {reach} (raise it to weigh this mesh)"
         )
         rows.append(not_compiled(layout, why, pipeline=options(layout)))
@@ -64,6 +71,26 @@ def dominated(layout: Layout, floor_: float, best: float) -> Candidate:
         f"{seconds_str(best)} of a layout without stages that fits"
     )
     return not_compiled(layout, why, pipeline=options(layout))
+
+
+def same_model_size(
+    layouts: list[Layout], model: int | None
+) -> tuple[list[Layout], list[Candidate]]:
+    """The stage layouts without a `model` axis or with one of size `model` (that of the
+    fastest layout without stages that fits; None: no such layout, all are kept), and a
+    row for each of the others."""
+    kept, rows = [], []
+    for layout in layouts:
+        size = layout.shape.get("model", 1)
+        if size == 1 or model is None or size == model:
+            kept.append(layout)
+            continue
+        why = (
+            f"not compiled: above `compile_limit`, tensor parallelism inside stages is "
+            f"weighed at model={model} only, the fastest layout without stages' size"
+        )
+        rows.append(not_compiled(layout, why, pipeline=options(layout)))
+    return kept, rows
 
 
 def worth(
