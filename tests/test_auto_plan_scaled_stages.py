@@ -106,3 +106,19 @@ def test_a_scaled_stage_mesh_slower_by_its_floor_is_not_compiled():
     assert "slower than" in row.reason and "without stages that fits" in row.reason
     kept, rows = stages_scaled.worth([big], None, flops, n, fps, by_mesh)
     assert kept == [big] and rows == []
+
+
+def test_scaled_stage_meshes_are_weighed_with_the_fastest_plain_layouts_axes():
+    def layout(shape):
+        return Layout("PP", shape, None, pipeline=(4, 1))
+
+    same = layout({"stage": 2, "data": 128, "model": 2})
+    other_size = layout({"stage": 2, "data": 64, "model": 4})
+    other_axes = layout({"stage": 2, "data": 64, "fsdp": 4})
+    fastest = {"data": 256, "model": 2}
+    kept, rows = stages_scaled.like_fastest([same, other_size, other_axes], fastest)
+    assert kept == [same] and len(rows) == 2
+    assert all("with the axes of the fastest layout" in r.reason for r in rows)
+    assert "(data x model=2)" in rows[0].reason and rows[0].time is None
+    kept, rows = stages_scaled.like_fastest([same, other_axes], None)  # none fits: all
+    assert kept == [same, other_axes] and rows == []

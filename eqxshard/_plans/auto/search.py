@@ -204,15 +204,15 @@ def auto_plan(
     if scaled:
         fastest = min((c for c in candidates if c.fits), key=lambda c: c.time or 0, default=None)
         best = None if fastest is None else fastest.time or 0
-        tp = None if fastest is None else fastest.mesh_shape.get("model", 1)
-        scaled, other_tp = stages_scaled.same_model_size(scaled, tp)
+        like = None if fastest is None else fastest.mesh_shape
+        scaled, unlike = stages_scaled.like_fastest(scaled, like)
         placed = [jobs.place(problem, v, size, reach, available, budget_bytes) for v in scaled]
         by_mesh = {repr(v.shape): topology.axis_links(v.shape, given, node) for v in scaled}
         more, dominated = stages_scaled.worth(placed, best, flops, n, flops_per_second, by_mesh)
         batch_proxies.measure(problem, problem_key, more, local, progress)
         work += more
         candidates += [row(job) for job in more]
-        skipped += dominated + other_tp
+        skipped += dominated + unlike
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
         # and could then be faster than the fastest that fits already.

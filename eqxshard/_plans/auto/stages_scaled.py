@@ -10,12 +10,13 @@ many stages with the same axes shrinks to the same smaller one: one compile. Whe
 one is over `compile_limit` (a stage axis near it), the meshes are rows that say so.
 
 Since one compile stands for many large meshes, and the search's time is spent compiling,
-a scaled stage mesh with a `model` axis (tensor parallel inside each stage) is weighed
-only at the `model` size of the fastest layout without stages that fits (the degree of
-tensor parallelism the links favour), and a scaled stage mesh is compiled only when its
-floor can beat that layout: its compute over `1 - bubble` (the step's matmul flops shared out), and
-where it has a `data` axis, the all-reduce of its gradients over it (their bytes per
-device are exact before compiling). A mesh whose floor is slower is a row that says so.
+scaled stage meshes are weighed only with the axes of the fastest layout without stages
+that fits (its `data`, `fsdp` and `model` axes, and its `model` size: what the links
+favour), the stage axis taking a share of its devices, and each is compiled only when
+its floor can beat that layout: its compute over `1 - bubble` (the step's matmul flops
+shared out), and where it has a `data` axis, the all-reduce of its gradients over it
+(their bytes per device are exact before compiling). A mesh whose floor is slower is a
+row that says so.
 """
 
 from __future__ import annotations
@@ -73,21 +74,25 @@ def dominated(layout: Layout, floor_: float, best: float) -> Candidate:
     return not_compiled(layout, why, pipeline=options(layout))
 
 
-def same_model_size(
-    layouts: list[Layout], model: int | None
+def like_fastest(
+    layouts: list[Layout], fastest: dict[str, int] | None
 ) -> tuple[list[Layout], list[Candidate]]:
-    """The stage layouts without a `model` axis or with one of size `model` (that of the
-    fastest layout without stages that fits; None: no such layout, all are kept), and a
-    row for each of the others."""
+    """The stage layouts whose other axes are those of `fastest` (the mesh of the fastest
+    layout without stages that fits; None: none fits, all are kept), with its `model`
+    size, and a row for each of the others."""
+    if fastest is None:
+        return list(layouts), []
+    axes = set(fastest)
     kept, rows = [], []
     for layout in layouts:
-        size = layout.shape.get("model", 1)
-        if size == 1 or model is None or size == model:
+        rest = {a: s for a, s in layout.shape.items() if a != AXIS}
+        if set(rest) == axes and rest.get("model") == fastest.get("model"):
             kept.append(layout)
             continue
+        like = " x ".join(f"model={s}" if a == "model" else a for a, s in fastest.items())
         why = (
-            f"not compiled: above `compile_limit`, tensor parallelism inside stages is "
-            f"weighed at model={model} only, the fastest layout without stages' size"
+            f"not compiled: above `compile_limit`, stages are weighed with the axes of the "
+            f"fastest layout without stages that fits ({like}) only"
         )
         rows.append(not_compiled(layout, why, pipeline=options(layout)))
     return kept, rows
