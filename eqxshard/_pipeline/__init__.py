@@ -9,7 +9,8 @@ checks (`checks`), the per-layer `remat` policies (`remat`) shared by everything
 or the pipeline; `convert`: stacking a list of blocks; `configure`: a model's stacks found
 by path and rebuilt with a plan's remat and pipeline choices; `keys`: a key per layer) and
 the batching rule that lets a pipelined stack see the whole batch under `jax.vmap`
-(`batching`).
+(`batching`), and the record of `filter_pipeline` calls a traced step makes (`watch`, how
+`auto_plan` finds a step that pipelines by itself).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
 `eqxshard._shard_map` and this folder; never `_plans` or anything above (`_plans` sits

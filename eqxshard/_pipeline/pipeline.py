@@ -16,6 +16,7 @@ from .._shard_map.shard_map import filter_shard_map
 from . import checks
 from .remat import check_remat, with_remat
 from .schedule import regroup, run_stages
+from .watch import note as _note
 
 _VERB = "filter_pipeline"
 
@@ -192,6 +193,7 @@ def filter_pipeline(
         y = run(blocks, x)  # as jax.lax.scan over the n layers gives
         ```
     """
+    _note(axis, microbatches, repeats)
     return run_pipeline(
         _VERB,
         layer,
