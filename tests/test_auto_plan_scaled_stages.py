@@ -122,3 +122,13 @@ def test_scaled_stage_meshes_are_weighed_with_the_fastest_plain_layouts_axes():
     assert "(data x model=2)" in rows[0].reason and rows[0].time is None
     kept, rows = stages_scaled.like_fastest([same, other_axes], None)  # none fits: all
     assert kept == [same, other_axes] and rows == []
+
+
+def test_a_mesh_left_out_whole_has_one_row_not_one_per_schedule():
+    def row(shape, why):
+        layout = Layout("PP", shape, None, pipeline=(4, 1))
+        return stages_scaled.not_compiled(layout, why)
+
+    schedules = [row({"stage": 2, "data": 4}, "dominated schedule"), row({"stage": 4}, "other")]
+    whole = [row({"stage": 2, "data": 4}, "left out")]
+    assert [r.reason for r in stages_scaled.instead(schedules, whole)] == ["other", "left out"]

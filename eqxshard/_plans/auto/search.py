@@ -174,7 +174,7 @@ def auto_plan(
     scaled: list = []  # stage layouts above `reach`: compiled once the others are ranked
     if n > reach:
         scaled, too_large = stages_scaled.compilable(piped, reach)
-        piped, skipped = [], skipped + too_large
+        piped, skipped = [], stages_scaled.instead(skipped, too_large)
     work = [
         jobs.place(problem, layout, size, reach, available, budget_bytes)
         for layout in layouts(model_abs, n, list(rules)) + piped
@@ -212,7 +212,7 @@ def auto_plan(
         batch_proxies.measure(problem, problem_key, more, local, progress)
         work += more
         candidates += [row(job) for job in more]
-        skipped += dominated + unlike
+        skipped = stages_scaled.instead(skipped, dominated + unlike)
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
         # and could then be faster than the fastest that fits already.

@@ -121,3 +121,10 @@ def worth(
         else:
             kept.append(job)
     return kept, rows
+
+
+def instead(rows: list[Candidate], meshes: list[Candidate]) -> list[Candidate]:
+    """`rows` (a mesh's other schedules, dominated) less those of the meshes left out as
+    a whole, and the rows of those meshes: one row for each, not one per schedule."""
+    gone = {repr(m.mesh_shape) for m in meshes}
+    return [r for r in rows if repr(r.mesh_shape) not in gone] + meshes
