@@ -30,7 +30,14 @@ On CPU devices that share two cores the times say little about a real pipeline (
 "device" competes for the same cores, and idle ticks still compute, masked); the bytes and
 the bubble are what carry over.
 
-    python benchmarks/pipeline.py [--quick] [--repeats 7]
+A second table puts GPipe beside 1F1B in bytes per device, for `M = 2S` and `4S`
+microbatches: the SPMD GPipe step's `memory_analysis()` (arguments, outputs and
+temporaries), and `eqxshard.pipeline_value_and_grad` (each stage its own programs) in its
+GPipe and 1F1B orders, where the driver records after each tick how many microbatches'
+residuals each stage holds, their bytes on its fullest device, and the bytes of all live
+arrays (`jax.live_arrays()`) per device over those before the step: the step's peak.
+
+    python benchmarks/pipeline.py [--quick] [--repeats 7] [--only spmd|mpmd]
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a smaller model, fewer repeats")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", choices=["spmd", "mpmd"], help="one of the two tables")
     args = parser.parse_args()
     n, dim, hidden, batch, tokens = (8, 64, 256, 32, 8) if args.quick else (16, 128, 512, 64, 16)
     repeats = 3 if args.quick else args.repeats
@@ -104,6 +112,17 @@ def main() -> None:
     data_mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
     pipe_mesh = jax.make_mesh((S, 2), ("stage", "data"), axis_types=auto)
 
+    print(
+        f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}; "
+        f"{n} blocks of {dim}x{hidden}, batch {batch} x {tokens} tokens, S={S} stages"
+    )
+    if args.only != "mpmd":
+        spmd_table(blocks, x, data_mesh, pipe_mesh, repeats)
+    if args.only != "spmd":
+        mpmd_table(blocks, x, pipe_mesh)
+
+
+def spmd_table(blocks, x, data_mesh, pipe_mesh, repeats) -> None:
     cases = {}
     plain = eqxshard.filter_replicate(eqxshard.Stacked(blocks), data_mesh)
     cases["scan, data=8"] = (plain, jax.device_put(x, NamedSharding(data_mesh, P("data"))), 0, 0)
@@ -145,11 +164,7 @@ def main() -> None:
     base = statistics.median(times["scan, data=8"])
     base_memory = compiled["scan, data=8"].memory_analysis()
     assert base_memory is not None
-    print(
-        f"jax {jax.__version__}, {jax.device_count()} x {jax.devices()[0].platform}; "
-        f"{n} blocks of {dim}x{hidden}, batch {batch} x {tokens} tokens, S={S} stages; "
-        f"medians of {repeats}"
-    )
+    print(f"One training step, pipelined and not (times: medians of {repeats})")
     header = (
         "case",
         "time",
@@ -188,10 +203,88 @@ def main() -> None:
         else:
             row += ["-", "-", "-", "-", "-"]
         rows.append(row)
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    _print(rows)
+    print(f"(time: the step's median over the plain scan's, {base * 1e3:.1f} ms)")
+
+
+def _print(rows: list[list[str]]) -> None:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    print(f"(time: the step's median over the plain scan's, {base * 1e3:.1f} ms)")
+
+
+def _live_per_device() -> dict:
+    per: dict = {}
+    for a in jax.live_arrays():
+        for shard in a.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return per
+
+
+def mpmd_table(blocks, x, pipe_mesh) -> None:
+    """GPipe (SPMD, `memory_analysis`) against the MPMD pipeline in its GPipe and 1F1B
+    orders (the residuals its driver holds, and every live array), in bytes per device."""
+    stack = eqxshard.filter_shard(blocks, pipe_mesh, eqxshard.stages("stage"))
+    xs = jax.device_put(x, NamedSharding(pipe_mesh, P("data")))
+    layer = lambda block, h: jax.vmap(block)(h)  # noqa: E731
+    mse = lambda y: jnp.mean(y**2)  # noqa: E731
+    step = jax.jit(jax.value_and_grad(loss))
+    rows = [
+        [
+            "case",
+            "residuals held per stage",
+            "residuals/device",
+            "peak bytes/device",
+            "over SPMD GPipe's",
+        ]
+    ]
+    for m in (2 * S, 4 * S):
+        piped = eqxshard.Stacked(blocks, axis="stage", microbatches=m, mesh=pipe_mesh)
+        piped = eqxshard.filter_shard(
+            piped, pipe_mesh, eqxshard.stages("stage", path=r"blocks\..*")
+        )
+        memory = step.lower(piped, xs).compile().memory_analysis()
+        assert memory is not None
+        spmd = memory.argument_size_in_bytes + memory.output_size_in_bytes
+        spmd += memory.temp_size_in_bytes
+        rows.append([f"GPipe (SPMD), M={m}", f"{m} (all)", "-", f"{spmd / 2**10:.0f} KiB", "1.00x"])
+        reference = float(step(piped, xs)[0])
+        for schedule in ("gpipe", "1f1b"):
+            counts, held, live = [], [], []
+            before = _live_per_device()
+
+            def record(c, b, counts=counts, held=held, live=live, before=before):
+                counts.append(c)
+                held.append(max(b))
+                now = _live_per_device()
+                live.append(max(v - before.get(d, 0) for d, v in now.items()))
+
+            value, grads = eqxshard.pipeline_value_and_grad(
+                layer,
+                stack,
+                xs,
+                mse,
+                mesh=pipe_mesh,
+                microbatches=m,
+                schedule=schedule,
+                on_tick=record,
+            )
+            assert abs(float(value) - reference) <= 1e-4 * abs(reference), schedule
+            del grads
+            peaks = [max(c[s] for c in counts) for s in range(S)]
+            # the weights and batch are live before the step: add them, as SPMD's arguments
+            peak = max(live) + memory.argument_size_in_bytes
+            rows.append(
+                [
+                    f"{'GPipe order' if schedule == 'gpipe' else '1F1B'} (MPMD), M={m}",
+                    str(peaks),
+                    f"{max(held) / 2**10:.0f} KiB",
+                    f"{peak / 2**10:.0f} KiB",
+                    f"{peak / spmd:.2f}x",
+                ]
+            )
+    print("GPipe against 1F1B, bytes per device")
+    _print(rows)
 
 
 if __name__ == "__main__":
