@@ -1,6 +1,7 @@
 """The decoders `auto_plan_7b.py` and `auto_plan_70b.py` plan (Llama's shapes), and their
-training step: blocks stacked by `eqx.filter_vmap` and scanned, each under
-`jax.checkpoint`; an RMSNorm before attention and before a SiLU-gated MLP."""
+training step: blocks stacked by `eqx.filter_vmap` in an `eqxshard.Stacked` (one scan, each
+layer rematerialised in full, as under `jax.checkpoint`; `auto_plan` can also pipeline it
+over a `stage` axis); an RMSNorm before attention and before a SiLU-gated MLP."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
+
+import eqxshard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +86,8 @@ class Block(eqx.Module):
         self.up = eqx.nn.Linear(width, hidden, use_bias=False, key=k3)
         self.down = eqx.nn.Linear(hidden, width, use_bias=False, key=k4)
 
-    def __call__(self, x, mask):
+    def __call__(self, x):
+        mask = jnp.tril(jnp.ones((x.shape[0],) * 2, bool))
         h = jax.vmap(self.attention_norm)(x)
         if isinstance(self.attention, eqx.nn.MultiheadAttention):
             x = x + self.attention(h, h, h, mask=mask)
@@ -96,27 +100,21 @@ class Block(eqx.Module):
 
 class Decoder(eqx.Module):
     embed: eqx.nn.Embedding
-    layers: Block  # `depth` blocks stacked: scanned over
+    layers: eqxshard.Stacked  # `depth` blocks stacked: scanned over, or pipelined
     norm: eqx.nn.RMSNorm
     head: eqx.nn.Linear
 
     def __init__(self, shape: Shape, key):
         k1, k2, k3 = jax.random.split(key, 3)
         self.embed = eqx.nn.Embedding(shape.vocab, shape.width, key=k1)
-        self.layers = eqx.filter_vmap(lambda k: Block(shape, k))(jax.random.split(k2, shape.depth))
+        blocks = eqx.filter_vmap(lambda k: Block(shape, k))(jax.random.split(k2, shape.depth))
+        # Each layer keeps only its input for the backward pass and recomputes the rest.
+        self.layers = eqxshard.Stacked(blocks, remat="full")
         self.norm = eqx.nn.RMSNorm(shape.width, use_bias=False)
         self.head = eqx.nn.Linear(shape.width, shape.vocab, use_bias=False, key=k3)
 
     def __call__(self, tokens):
-        x = jax.vmap(self.embed)(tokens)
-        mask = jnp.tril(jnp.ones((tokens.shape[0],) * 2, bool))
-        params, static = eqx.partition(self.layers, eqx.is_array)
-
-        @jax.checkpoint  # keep one activation per layer; recompute the rest
-        def body(x, p):
-            return eqx.combine(p, static)(x, mask), None
-
-        x, _ = jax.lax.scan(body, x, params)
+        x = self.layers(jax.vmap(self.embed)(tokens))
         return jax.vmap(lambda v: self.head(self.norm(v)))(x)
 
 

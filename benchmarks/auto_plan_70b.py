@@ -3,12 +3,13 @@
 The decoder has Llama-2-70B's shapes: width 8192, 80 blocks, 64 query heads sharing 8
 key/value heads (grouped-query attention, heads of 128), an MLP of 28672 with a SiLU
 gate, a 32000-token vocabulary; 68.98 billion parameters. Its blocks are stacked and
-scanned, each under `jax.checkpoint`, trained with AdamW on batches of 1024 sequences of
-4096 tokens (4M tokens a step), planned as shapes only (`eqx.filter_eval_shape`) for an
-80 GB accelerator, with 8 devices a node (`devices_per_node=8`: the mesh axes that span
-nodes get the `inter_node` link). Meshes of more than `--compile-limit` devices are
-estimated from compiles on at most that many. Prints the time it took and the plan's
-table (docs/sizing.md shows it; benchmarks/results/auto_plan_70b_1024.txt holds a run).
+scanned in an `eqxshard.Stacked`, each layer rematerialised, trained with AdamW on
+batches of 1024 sequences of 4096 tokens (4M tokens a step), planned as shapes only
+(`eqx.filter_eval_shape`) for an 80 GB accelerator, with 8 devices a node
+(`devices_per_node=8`: the mesh axes that span nodes get the `inter_node` link). Meshes
+of more than `--compile-limit` devices are estimated from compiles on at most that many.
+Prints the time it took and the plan's table (docs/sizing.md shows it;
+benchmarks/results/auto_plan_70b_1024.txt holds a run).
 
     python benchmarks/auto_plan_70b.py [--devices 1024] [--batch 1024] [--compile-limit 8]
 """

@@ -1,7 +1,7 @@
 """`auto_plan` for the 7B decoder of docs/sizing.md on 512 devices, on this machine.
 
 The decoder (Llama 7B's shapes: width 4096, 32 blocks, 32 heads, MLP 11008, a 32000-token
-vocabulary), its blocks stacked and scanned, each under `jax.checkpoint`, trained with
+vocabulary), its blocks an `eqxshard.Stacked` (scanned, each layer rematerialised), trained with
 AdamW on batches of 512 sequences of 2048 tokens; planned as shapes only
 (`eqx.filter_eval_shape`) for an 80 GB accelerator. Meshes of more than `--compile-limit`
 devices are estimated from compiles on at most that many. Prints the time it took and

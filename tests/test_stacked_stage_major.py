@@ -90,3 +90,14 @@ def test_a_plan_stores_a_circular_stack_stage_major_for_its_mesh():
     applied = configure("Plan.apply", model, remat={}, pipeline=None, mesh=m)
     assert applied["blocks"].stages == 4 and applied["blocks"].mesh is None
     layers_close(applied["blocks"], model["blocks"])
+
+
+def test_configure_under_a_trace_builds_stage_major_on_the_abstract_mesh():
+    # `Plan.init` configures inside `filter_init`'s eval_shape, where JAX refuses
+    # `jax.set_mesh`: the stack is built on the mesh's abstract form instead.
+    m = mesh()
+    built = eqx.filter_eval_shape(
+        lambda key: configure("Plan.init", make(key), mesh=m, remat={}, pipeline=PIPELINE),
+        jax.random.key(0),
+    )
+    assert built.stages == 4

@@ -11,10 +11,11 @@ by path and rebuilt with a plan's remat and pipeline choices; `stage_major`: a c
 stack built without a mesh stored stage-major by `filter_init` and `Plan.apply`; `keys`: a
 key per layer) and
 the batching rule that lets a pipelined stack see the whole batch under `jax.vmap`
-(`batching`). The MPMD form, each stage its own program on its own sub-mesh, is
-`pipeline_value_and_grad` (`value_and_grad`): the order of its forwards and backwards,
-1F1B or GPipe (`ticks`), the stages' sub-meshes and a stack's pieces on them
-(`submeshes`), and the driver running the stages' programs (`mpmd`).
+(`batching`), and the record of `filter_pipeline` calls a traced step makes (`watch`, how
+`auto_plan` finds a step that pipelines by itself). The MPMD form, each stage its own
+program on its own sub-mesh, is `pipeline_value_and_grad` (`value_and_grad`): the order of
+its forwards and backwards, 1F1B or GPipe (`ticks`), the stages' sub-meshes and a stack's
+pieces on them (`submeshes`), and the driver running the stages' programs (`mpmd`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
 `eqxshard._shard_map` and this folder; never `_plans` or anything above (`_plans` sits

@@ -17,6 +17,7 @@ from . import checks
 from .order import warn_regrouped
 from .remat import check_remat, with_remat
 from .schedule import regroup, run_stages
+from .watch import note as _note
 
 _VERB = "filter_pipeline"
 
@@ -190,6 +191,7 @@ def filter_pipeline(
         y = run(blocks, x)  # as jax.lax.scan over the n layers gives
         ```
     """
+    _note(axis, microbatches, repeats)
     return run_pipeline(
         _VERB,
         layer,

@@ -21,7 +21,11 @@ def with_mesh_set(mesh: Mesh | AbstractMesh) -> Any:
     stage-major for the mesh's stage count, as one built under `jax.set_mesh` does."""
     if isinstance(mesh, AbstractMesh):
         return jax.sharding.use_abstract_mesh(mesh)
-    return jax.set_mesh(mesh)
+    try:
+        return jax.set_mesh(mesh)
+    except ValueError:  # under a trace (`Plan.init`'s `filter_init` builds in eval_shape),
+        # where JAX refuses `set_mesh`: the abstract mesh is what a stack built there sees
+        return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
 def _in_layer_order(stack: Stacked, mesh: Mesh | AbstractMesh) -> bool:

@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh
 
+from ..._pipeline.watch import PipelineCall, watching
 from ..._tree import format_bytes, is_array_like
 
 # Without `budget=`, this fraction of the device's memory (`bytes_limit`) is left free,
@@ -123,9 +124,18 @@ def trace_step(step: Any, model: Any, opt_state: Any, batch: Any, trains: bool) 
         raise TypeError(f"`auto_plan` takes a callable `step`, but got {type(step).__name__}.")
     args = (model, opt_state, batch) if trains else (model, batch)
     call = "step(model, opt_state, batch)" if trains else "step(model, batch)"
-    try:
-        out = eqx.filter_eval_shape(step, *args)
-    except Exception as e:
+    out: Any = None
+    with watching() as calls:
+        try:
+            out = eqx.filter_eval_shape(step, *args)
+        except Exception as e:
+            failed: Exception | None = e
+        else:
+            failed = None
+    if calls:
+        raise pipelines_by_itself(calls, failed) from failed
+    if failed is not None:
+        e = failed
         raise ValueError(
             f"`auto_plan` could not trace `step`: `{call}` raised {type(e).__name__}: {e}\n"
             "Check that `step` runs on these arguments (with `optimizer`, `step` takes "
@@ -149,3 +159,24 @@ def check_optimizer(optimizer: Any) -> None:
 
 def over_budget(total: int, budget: int) -> str:
     return f"over budget by {format_bytes(total - budget)}"
+
+
+def pipelines_by_itself(calls: list[PipelineCall], failed: Exception | None) -> ValueError:
+    """The error for a step that calls `filter_pipeline` itself: its stages come from the
+    mesh it runs under and its schedule is fixed in its code, so no candidate can choose
+    them (and the meshes without its axis cannot run it)."""
+    axes = sorted({c.axis for c in calls})
+    said = ", ".join(
+        f"axis {c.axis!r} with microbatches={c.microbatches}, repeats={c.repeats}" for c in calls
+    )
+    why = "" if failed is None else f" (tracing it without a mesh raised: {failed})"
+    return ValueError(
+        f"`auto_plan` found that `step` pipelines by itself: it calls `filter_pipeline` over "
+        f"{said}{why}. The stage count comes from the mesh the step runs under and the "
+        "schedule is fixed in the step, so no candidate layout can choose them, and a mesh "
+        f"without the axis {', '.join(repr(a) for a in axes)} cannot run the step. Hold the "
+        "layers in an `eqxshard.Stacked` and call it in the step instead "
+        "(`Stacked(blocks)`, or `Stacked.from_layers(layers)`): `auto_plan` then weighs its "
+        "stage counts, microbatches and schedules with the other layouts, and `Plan.apply` "
+        "configures it."
+    )

@@ -134,11 +134,12 @@ def _pattern(path: str) -> str:
     return r"(?:.*\.)?" + r"\.".join(parts)
 
 
-def tensor_parallel_rule(
+def tensor_parallel_specs(
     model: Any, roles: dict[str, Role], shape: dict[str, int]
-) -> tuple[Rule, list[str]] | None:
-    """The TP (or FSDP x TP, when `shape` has `fsdp`) rule for `shape`, with the weights
-    left whole because their dim does not divide; None if no weight can be split."""
+) -> tuple[dict[str, P], list[str], dict[str, P | None]]:
+    """The spec of each weight split over `shape`'s `model` axis (and `fsdp`, when it has
+    one) by its dotted path, the weights left whole because their dim does not divide,
+    and every array leaf's spec (`None`: not split) by its path."""
     m, f = shape.get("model", 1), shape.get("fsdp", 1)
     specs: dict[str, P] = {}
     skipped = []
@@ -147,7 +148,7 @@ def tensor_parallel_rule(
     for path, leaf in leaves:
         text = dotted_path(path)
         role = roles.get(text)
-        if role is None or not is_array_like(leaf):
+        if role is None:
             continue
         dims = list(leaf.shape)
         if dims[role.dim] % m:
@@ -159,24 +160,48 @@ def tensor_parallel_rule(
         if f > 1 and role.kind != "bias" and dims[other] % f == 0:
             entries[other] = "fsdp"
         specs[text] = P(*entries)
+    return specs, skipped, {dotted_path(p): specs.get(dotted_path(p)) for p, _ in leaves}
+
+
+def spec_patterns(specs: dict[str, P], every: dict[str, P | None]) -> list[tuple[str, P]]:
+    """`(pattern, spec)` entries for `path_rules` giving each path of `specs` its spec and
+    no other leaf of `every` (all array leaves' paths -> their spec) another, whatever the
+    entries' order: one pattern per path with its layer indices written `\\d+` where every
+    leaf it matches has that spec; else the path itself (with any prefix, for the
+    optimiser state's copies) less the longer paths ending the same way whose spec
+    differs (`head.linear.weight` vs `linear.weight`)."""
+    out: list[tuple[str, P]] = []
+    for text, spec in specs.items():
+        literal = r"(?:.*\.)?" + re.escape(text)
+        for pattern in (_pattern(text), literal):
+            if all(every[t] == spec for t in every if re.fullmatch(pattern, t)):
+                break
+        else:
+            others = [t for t in every if re.fullmatch(literal, t) and every[t] != spec]
+            exclude = "|".join(re.escape(t) for t in others)
+            pattern = rf"(?!(?:.*\.)?(?:{exclude})\Z)" + literal
+        if all(pattern != g for g, _ in out):
+            out.append((pattern, spec))
+    return out
+
+
+def tensor_parallel_rule(
+    model: Any, roles: dict[str, Role], shape: dict[str, int]
+) -> tuple[Rule, list[str]] | None:
+    """The TP (or FSDP x TP, when `shape` has `fsdp`) rule for `shape`, with the weights
+    left whole because their dim does not divide; None if no weight can be split."""
+    specs, skipped, every = tensor_parallel_specs(model, roles, shape)
     if not specs:
         return None
-    # One pattern per path with its layer indices written `\d+`, where every leaf it
-    # matches gets that spec; otherwise the path itself.
-    every = {dotted_path(p): specs.get(dotted_path(p)) for p, _ in leaves}
-    entries_out: list[tuple[str, P]] = []
-    for text, spec in specs.items():
-        for pattern in (_pattern(text), r"(?:.*\.)?" + re.escape(text)):
-            matched = [t for t in every if re.fullmatch(pattern, t)]
-            if all(every[t] == spec for t in matched):
-                if all(pattern != g for g, _ in entries_out):
-                    entries_out.append((pattern, spec))
-                break
-        else:  # another leaf ends the same way: first match wins, this one first
-            entries_out.insert(0, (r"(?:.*\.)?" + re.escape(text), spec))
-    if f > 1:
-        return path_rules(entries_out) | fsdp("fsdp"), skipped
-    return path_rules([*entries_out, (".*", P())]), skipped
+    return with_rest(spec_patterns(specs, every), shape), skipped
+
+
+def with_rest(entries: list[tuple[str, P]], shape: dict[str, int]) -> Rule:
+    """`path_rules(entries)`, every other leaf by FSDP over `fsdp` when `shape` has that
+    axis, else replicated."""
+    if shape.get("fsdp", 1) > 1:
+        return path_rules(entries) | fsdp("fsdp")
+    return path_rules([*entries, (".*", P())])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,8 +3,11 @@
 The smaller mesh has the same batch per device. Its `data` axis shrinks first (to 1 if
 need be): that changes nothing on any one device, only the gradients' all-reduce over
 `data`, whose bytes are known (the gradient bytes per device), so the figures stay
-exact. Only then do `fsdp` and `model` shrink (kept at 2 or more while they can). What
-changes, and how:
+exact. Only then do `fsdp` and `model` shrink (kept at 2 or more while they can). A
+`stage` axis never shrinks (`stages_scaled`): each device keeps its layers and
+microbatches, and its permutes go to the same neighbours; such a mesh shrinks to its
+stage axis with `fsdp` and `model` at 2, so that one compile serves every mesh of as many
+stages with the same axes (and the compile is small). What changes, and how:
 
 - parameters, gradients, optimiser state and batch per device: exact, from the large
   mesh's shardings (`filter_plan` on an `AbstractMesh`);
@@ -34,10 +37,21 @@ def _smallest_factor(n: int) -> int:
     return next(p for p in range(2, n + 1) if n % p == 0)
 
 
+def stage_mesh_devices(shape: dict[str, int]) -> int:
+    """The devices a mesh with a `stage` axis is compiled on when it is too large: the
+    stage axis whole, `fsdp` and `model` at 2 where it has them (their collectives then
+    show), `data` at 1 (its all-reduce is added exactly)."""
+    return shape["stage"] * 2 ** sum(shape.get(a, 1) > 1 for a in ("fsdp", "model"))
+
+
 def reduced_shape(shape: dict[str, int], limit: int) -> dict[str, int]:
     """`shape` shrunk by prime factors until it has at most `limit` devices: `data`
-    first, then `fsdp` and `model` kept at 2 or more while they can be."""
+    first, then `fsdp` and `model` kept at 2 or more while they can be; `stage` kept,
+    and a mesh with one shrunk to `stage_mesh_devices` (one over `limit` is not scaled:
+    `stages_scaled.compilable`)."""
     small = dict(shape)
+    if "stage" in shape:  # one compile for every mesh of this many stages and axes
+        limit = min(limit, stage_mesh_devices(shape))
     while math.prod(small.values()) > limit:
         if small.get("data", 1) > 1:
             axis = "data"

@@ -23,6 +23,7 @@ from . import (
     remat as remat_,
     remat_mix,
     stages as stages_,
+    stages_scaled,
     topology,
 )
 from .cache import shapes_key as _shapes_key
@@ -171,8 +172,10 @@ def auto_plan(
     flops = flops_.matmul_flops(step, *trace_args) if paths else 0.0
     stage_link = topology.axis_links({stages_.AXIS: n}, given, node)[stages_.AXIS]
     piped, skipped = stages_.layouts(model_abs, n, size, flops, flops_per_second, stage_link)
-    if n > reach:  # a stage axis is not scaled from smaller meshes: compiled only
-        piped, skipped = [], []
+    scaled: list = []  # stage layouts above `reach`: compiled once the others are ranked
+    if n > reach:
+        scaled, too_large = stages_scaled.compilable(piped, reach)
+        piped, skipped = [], stages_scaled.instead(skipped, too_large)
     work = [
         jobs.place(problem, layout, size, reach, available, budget_bytes)
         for layout in layouts(model_abs, n, list(rules)) + piped
@@ -199,6 +202,18 @@ def auto_plan(
     batch_proxies.measure(problem, problem_key, work, local, progress)
     batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
     candidates = [row(job) for job in work]
+    if scaled:
+        fastest = min((c for c in candidates if c.fits), key=lambda c: c.time or 0, default=None)
+        best = None if fastest is None else fastest.time or 0
+        like = None if fastest is None else fastest.mesh_shape
+        scaled, unlike = stages_scaled.like_fastest(scaled, like)
+        placed = [jobs.place(problem, v, size, reach, available, budget_bytes) for v in scaled]
+        by_mesh = {repr(v.shape): topology.axis_links(v.shape, given, node) for v in scaled}
+        more, dominated = stages_scaled.worth(placed, best, flops, n, flops_per_second, by_mesh)
+        batch_proxies.measure(problem, problem_key, more, local, progress)
+        work += more
+        candidates += [row(job) for job in more]
+        skipped = stages_scaled.instead(skipped, dominated + unlike)
     if problem.trains and offload_.supported(available):
         # The optimiser state in host memory, for the layouts only that would then fit,
         # and could then be faster than the fastest that fits already.

@@ -2,9 +2,11 @@
 
 When the model holds stacks (found by walking it, `_pipeline.configure.stacks`), every
 stage count `S > 1` that divides the devices and every stack's layer count gets a mesh
-`stage x data x fsdp` (the stage axis outermost, so that it is the one crossing nodes):
-the stacks' layer dims split over `stage` (the `stages` rule), their other dims and every
-other leaf laid out as on the `data x fsdp` mesh of the rest (FSDP or replicated).
+`stage x data x fsdp x model` (the stage axis outermost, so that it is the one crossing
+nodes): the stacks' layer dims split over `stage` (the `stages` rule), their other dims
+and every other leaf laid out as on the `data x fsdp x model` mesh of the rest (FSDP or
+replicated; with `model`, tensor parallel, `stages_tp`, for models with such weights).
+The optimiser state's copies of the stacks are split over `stage` as the stacks are.
 
 Each such mesh could run a few microbatch counts `M` (`S`, `2S`, `4S`, as the batch on a
 data shard allows) on GPipe (`R = 1`) or the circular schedule (`R = 2`, where the layer
@@ -31,9 +33,9 @@ from ..._tree import format_bytes
 from ..fsdp import fsdp
 from ..rules import as_rule, first
 from ..stages import stages as stages_rule
-from . import links as links_
+from . import links as links_, stages_tp
 from .candidate import Candidate, not_compiled
-from .candidates import Layout, factorisations, family, mesh_shape
+from .candidates import Layout, factorisations, family, mesh_shape, tensor_parallel_roles
 from .view import seconds_str
 
 AXIS = "stage"
@@ -51,8 +53,9 @@ def ticks(stages: int, microbatches: int, repeats: int) -> int:
 
 
 def pattern(paths: list[str]) -> str:
-    """The dotted paths of every array leaf inside the stacks at `paths`."""
-    return "(?:" + "|".join(re.escape(p) for p in paths) + r")\..*"
+    """The dotted paths of every array leaf inside the stacks at `paths`, also behind a
+    prefix (the optimiser state's copies: `0.mu.blocks.…`)."""
+    return r"(?:.*\.)?(?:" + "|".join(re.escape(p) for p in paths) + r")\..*"
 
 
 def _name(schedule: tuple[int, int], stages: int) -> str:
@@ -84,6 +87,7 @@ def layouts(
         return [], []
     counts = [layers(s) for s in found.values()]
     paths = list(found)
+    roles = tensor_parallel_roles(model)
     out: list[Layout] = []
     pruned: list[Candidate] = []
     work = flops / n / flops_per_second
@@ -91,9 +95,12 @@ def layouts(
         if n % s or any(c % s for c in counts):
             continue
         for sizes in factorisations(n // s):
-            if sizes[2] != 1:
-                continue  # no tensor parallelism inside a stage: kept to a few compiles
             rest = {k: v for k, v in mesh_shape(sizes).items() if v > 1}
+            split = None
+            if sizes[2] != 1:  # tensor parallel inside each stage, where weights split
+                split = stages_tp.rule(model, roles, paths, pattern(paths), AXIS, rest)
+                if split is None:
+                    continue
             shape = {AXIS: s} | rest
             ways = sizes[0] * sizes[1]
             if size % ways:
@@ -108,6 +115,8 @@ def layouts(
             inner = fsdp("fsdp") if "fsdp" in rest else None
             rest_rule = fsdp("fsdp") if "fsdp" in rest else as_rule(P(), "auto_plan")
             rule = first(stages_rule(AXIS, path=pattern(paths), inner=inner), rest_rule)
+            if split is not None:
+                rule = split[0]
             name = "PP" + (f" x {family(rest)}" if rest else "")
             if not schedules:
                 why = (
