@@ -86,10 +86,6 @@ def configure(
             blocks = from_stage_major(blocks, leaf.stages, leaf.repeats)
         # Built with `mesh` set: a circular stack without a mesh of its own is stored
         # stage-major for `mesh`'s stage count, so its pipeline moves no weights per step.
-        # Only then: `jax.set_mesh` is refused inside a trace (`filter_init` builds the
-        # model under `eval_shape`), where a stack that is not circular needs no mesh.
-        if options.get("repeats", 1) == 1 or options.get("mesh") is not None:
-            return Stacked(blocks, **options)
         with with_mesh_set(mesh):
             return Stacked(blocks, **options)
 
