@@ -237,7 +237,9 @@ def sleeper(tmp_path):
         import os, time
         from pathlib import Path
         me = os.environ["EQXSHARD_PROCESS_ID"]
-        Path({str(tmp_path)!r}, "pid" + me).write_text(str(os.getpid()))
+        pid = Path({str(tmp_path)!r}, "pid" + me)
+        Path(str(pid) + ".part").write_text(str(os.getpid()))
+        os.replace(str(pid) + ".part", pid)  # whole when it appears: the test reads it then
         time.sleep(600)
         """,
     )
@@ -270,6 +272,9 @@ def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C as a terminal sends it: a run started in the background (`cmd &` in a
+        # script, as CI may start pytest) inherits SIGINT ignored, and Python keeps it so.
+        preexec_fn=_sigint_default,
     )
     ended = False
     try:
@@ -291,6 +296,10 @@ def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
     assert f"[launch] {said}; ending every process" in err
     for path in pids:
         assert gone(int(path.read_text()))
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _kill_group_of(path: Path) -> None:
