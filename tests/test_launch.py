@@ -266,15 +266,17 @@ def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
     child = sleeper(tmp_path)
     pids = [tmp_path / "pid0", tmp_path / "pid1"]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "eqxshard.launch", "-n", "2", "--", str(child)],
+        # Ctrl-C as a terminal sends it: a run started in the background (`cmd &` in a
+        # script, as CI may start pytest) inherits SIGINT ignored, and Python keeps it so.
+        # The launcher is exec'd with it at its default (a `preexec_fn` would fork this
+        # process, which holds JAX's threads).
+        [sys.executable, "-c", _SIGINT_DEFAULT, "-m", "eqxshard.launch", "-n", "2", "--"]
+        + [str(child)],
         cwd=tmp_path,
         env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # Ctrl-C as a terminal sends it: a run started in the background (`cmd &` in a
-        # script, as CI may start pytest) inherits SIGINT ignored, and Python keeps it so.
-        preexec_fn=_sigint_default,
     )
     ended = False
     try:
@@ -298,8 +300,10 @@ def test_stopping_the_launcher_ends_every_process(tmp_path, sig, code, said):
         assert gone(int(path.read_text()))
 
 
-def _sigint_default() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+_SIGINT_DEFAULT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+    "os.execv(sys.executable, [sys.executable] + sys.argv[1:])"
+)
 
 
 def _kill_group_of(path: Path) -> None:
