@@ -14,24 +14,12 @@ import numpy as np
 import pytest
 from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
+from tiny_stack import D, N, blocks as _blocks, layer as _layer
 
 import eqxshard
 from eqxshard import _compat
 from eqxshard._pipeline.order import from_stage_major, to_stage_major
 from eqxshard._pipeline.pipeline import run_pipeline
-
-D = 4  # features
-N = 8  # layers
-
-
-def _layer(block, h):
-    return jnp.tanh(h @ block["w"] + block["b"])
-
-
-def _blocks(n=N):
-    w = jax.random.normal(jax.random.key(0), (n, D, D)) * 0.6
-    b = jax.random.normal(jax.random.key(1), (n, D)) * 0.1
-    return {"w": w, "b": b}
 
 
 def _x(batch=16):

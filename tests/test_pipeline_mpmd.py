@@ -15,22 +15,10 @@ import numpy as np
 import pytest
 from helpers import make_mesh
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+from tiny_stack import D, N, blocks as _blocks, layer as _layer
 
 import eqxshard
 from eqxshard._pipeline import mpmd, ticks
-
-D = 4  # features
-N = 8  # layers
-
-
-def _layer(block, h):
-    return jnp.tanh(h @ block["w"] + block["b"])
-
-
-def _blocks(n=N):
-    w = jax.random.normal(jax.random.key(0), (n, D, D)) * 0.6
-    b = jax.random.normal(jax.random.key(1), (n, D)) * 0.1
-    return {"w": w, "b": b}
 
 
 def _x(batch=16, seed=2):
