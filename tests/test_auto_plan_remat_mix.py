@@ -16,7 +16,7 @@ from helpers import compiled_total
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import rank as rank_, remat_mix
+from eqxshard._plans.auto import rank as rank_, remat_mix, remat_traced
 from eqxshard._plans.auto.candidates import Layout
 from eqxshard._tree import is_array_like
 
@@ -33,18 +33,28 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     args = _args(sd.make_two(jax.random.key(0)))
     rows = BATCH * TOKENS * F32
     # Without remat a block keeps its input (width), and its hidden pre- and post-tanh.
-    kept = remat_mix.saved_bytes(sd.step, args, "none")
-    assert kept == {
+    traced = remat_traced.Traced(sd.step, args)
+    kept = traced.at("none")
+    assert kept.device == {
         "wide": 3 * rows * (WIDTH + 2 * 512),
         "narrow": 5 * rows * (WIDTH + 2 * 64),
     }
-    # "full" keeps each layer's input only; "offload" keeps on the device what "full" does.
+    assert kept.host == {"wide": 0, "narrow": 0} and kept.missing == ()
+    # "full" keeps each layer's input only.
     full = {"wide": 3 * rows * 2 * 512, "narrow": 5 * rows * 2 * 64}
-    savings = remat_mix.Savings(sd.step, args)
-    assert savings("full") == full and savings("offload") == full
+    assert traced("full") == full
+    # "offload" keeps on the device what "full" does: the matmul outputs it saves (the
+    # hidden pre-tanh) are in host memory, not on the device.
+    assert traced("offload") == full
+    offload = traced.at("offload")
+    assert offload.host == {"wide": 3 * rows * 512, "narrow": 5 * rows * 64}
+    assert traced.host_bytes((("wide", "offload"), ("narrow", "offload"))) == rows * (
+        3 * 512 + 5 * 64
+    )
+    assert traced.host_bytes((("wide", "offload"),)) == rows * 3 * 512
     # "dots" keeps the matmul outputs: the hidden pre-tanh, and the block's output.
-    assert savings("dots") == {"wide": 3 * rows * 512, "narrow": 5 * rows * 64}
-    assert savings("none") is None
+    assert traced("dots") == {"wide": 3 * rows * 512, "narrow": 5 * rows * 64}
+    assert traced("none") == {"wide": 0, "narrow": 0}
 
 
 def _row(name: str, total: int, fits: bool) -> eqxshard.Candidate:

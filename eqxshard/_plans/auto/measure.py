@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from ..._pipeline.configure import configure, configure_like
+from ..._pipeline.configure import configure, configure_like, stacks
 from ..._placement import place as place_
 from ..._placement.put import filter_put
 from ..._step.pinned import PinnedOp, pinned_ops
@@ -200,7 +200,8 @@ def place(
         opt_bytes,
         batch_bytes,
         offload and problem.trains,
-        any(policy != "none" for _, policy in remat),
+        # The model's own `remat` counts too (a stack built `Stacked(..., remat="full")`).
+        any(s.remat != "none" for s in stacks(model).values()),
     )
 
 

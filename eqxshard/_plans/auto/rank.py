@@ -133,6 +133,9 @@ def _slower(c: Candidate, best: Candidate) -> str:
         )
     if (c.compute_time or 0) > (best.compute_time or 0) * 1.005:
         why.append(f"compute {seconds_str(c.compute_time)} vs {seconds_str(best.compute_time)}")
+    if c.host_time > best.host_time * 1.005:  # offloaded state or activations over PCIe
+        host = f"{seconds_str(c.host_time)} vs {seconds_str(best.host_time)}"
+        why.append(f"host memory traffic {host}")
     return f"fits, but {ratio:.2f}x the chosen step time: {', '.join(why)}"
 
 

@@ -12,12 +12,19 @@ by arithmetic before anything is compiled:
   budget then with `"full"` (keep only each layer's input) and, where the devices have
   pinned host memory, `"offload"` (the matmul outputs in host memory).
 
+The layouts without remat keep each stack's own `remat` (`eqxshard.Stacked(...,
+remat="full")`, say): that is the baseline. A policy that keeps no fewer bytes on the
+device for the backward pass than the model's own setting, by the step's jaxpr
+(`remat_traced`), saves nothing: it is dominated, and its rows say so, not compiled.
+
 Each policy is first given to every stack of the model; where that fits and the model has
 several stacks, only those whose activations are largest are then tried with it
-(`remat_mix`). The recomputed flops come from the
-compiled program: its `cost_analysis()` flops over those of the layout without remat.
-`"offload"` also moves the activations it saves to host memory and back each step, over
-the `host` link.
+(`remat_mix`). The recomputed flops are read from the step's jaxpr (its matmul flops,
+every layer counted, over those without remat: the compiled program's `cost_analysis()`
+counts a scanned layer once). `"offload"` keeps the matmul outputs it saves in host
+memory: the compile (on CPU, where host and device memory are one) counts them as device
+memory, so their bytes per device (at least the whole batch's over the mesh's devices)
+are taken off its total, and they cross the `host` link out and back each step.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from ..._tree import format_bytes
 from . import links as links_
 from .candidate import Candidate, not_compiled
 from .candidates import Layout
+from .remat_traced import Traced
 from .view import seconds_str
 
 FIRST = ("dots",)
@@ -88,42 +96,81 @@ def dominated(v: Layout, base: Candidate, best: float) -> Candidate:
     )
 
 
+Variant = tuple[Layout, Layout, Candidate]  # a remat variant, its base layout and row
+
+
+def saving(
+    todo: list[Variant], traced: Traced
+) -> tuple[list[Variant], list[tuple[Layout, Layout, Candidate, Candidate]]]:
+    """`todo` (variants, each with its base layout and row) less those whose policy saves
+    nothing on the device against the model's own setting, and those, each with its row,
+    not compiled; a variant whose policy saves on some stacks only is given to those (the
+    others keep their own setting)."""
+    keep, same = [], []
+    for v, base, c in todo:
+        policy = policy_of(v)
+        why = traced.saves_nothing(policy)
+        if why:
+            same.append((v, base, c, not_compiled(v, why, remat=dict(v.remat))))
+            continue
+        on = traced.saving_on(policy)
+        if on is not None and len(on) < len(v.remat):  # the others keep their own setting
+            named = f"{base.name} + remat {policy} on {', '.join(on)}"
+            v = dataclasses.replace(v, name=named, remat=tuple((p, policy) for p in on))
+        keep.append((v, base, c))
+    return keep, same
+
+
 def described(
     c: Candidate,
     v: Layout,
     base: Candidate,
-    ratio: float,
+    traced: Traced,
     budget: int,
     links: dict[str, links_.Link],
 ) -> Candidate:
-    """A compiled remat row saying what it chose and why (`ratio`: its compiled flops
-    over those of `base`); `"offload"` pays the host link for the activations it moves
-    out and back."""
+    """A compiled remat row saying what it chose and why: the matmul flops it adds (by
+    the step's jaxpr, against no remat), and for `"offload"` the activations it keeps in
+    host memory (off the compile's device total) and their trips over the host link."""
     policy = policy_of(v)
-    on = [p for p, q in v.remat if q != "none"]
+    on = [p for p, q in v.remat if q == policy]
     kept = [p for p, q in v.remat if q == "none"]
     head = f"remat {policy} on {_paths_str(on)}"
     if kept:
         head += f" only ({_paths_str(kept)} kept whole: less to save there)"
-    total = c.total_bytes or 0
+    host_time, parts, away = c.host_time, dict(c.bytes), 0
+    if policy == "offload":
+        whole = traced.host_bytes(v.remat)
+        away = min(whole // max(v.devices, 1), parts.get("activations", 0))
+        parts["activations"] = parts.get("activations", 0) - away
+    total = (c.total_bytes or 0) - away
     fit = (
         f"fits with {format_bytes(budget - total)} to spare"
         if total <= budget
         else f"still {format_bytes(total - budget)} over"
     )
     without = f"without it {format_bytes((base.total_bytes or 0) - budget)} over"
-    extra = max(ratio, 1.0) - 1
-    parts = [f"{head}: {fit}; {without}", f"recomputes {extra:.0%} more flops"]
-    host_time = c.host_time
+    extra = max(traced.recomputed(v.remat), 1.0) - 1
+    said = [f"{head}: {fit}; {without}", f"recomputes {extra:.0%} more matmul flops than no remat"]
     if policy == "offload":
-        moved = max((base.total_bytes or 0) - total, 0)
         link = links.get("host", links_.LINKS["host"])
-        trips = 2 * (link.latency + moved / link.bandwidth)
+        trips = 2 * (link.latency + away / link.bandwidth)
         host_time += trips
-        parts.append(f"{format_bytes(moved)} of activations over PCIe: {seconds_str(trips)}")
-    reason = "; ".join(parts) + (f"; {c.reason}" if c.reason else "")
+        said.append(
+            f"{format_bytes(away)} of activations per device in host memory (at least), "
+            f"out and back over PCIe: {seconds_str(trips)}"
+        )
+    reason = "; ".join(said) + (f"; {c.reason}" if c.reason else "")
     time = None if c.time is None else c.time - c.host_time + host_time
-    return dataclasses.replace(c, reason=reason, host_time=host_time, time=time)
+    return dataclasses.replace(
+        c,
+        reason=reason,
+        host_time=host_time,
+        time=time,
+        bytes=parts,
+        total_bytes=None if c.total_bytes is None else total,
+        fits=c.total_bytes is not None and total <= budget,
+    )
 
 
 def with_choices(c: Candidate, layout: Layout, pipeline: dict[str, Any] | None) -> Candidate:

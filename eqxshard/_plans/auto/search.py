@@ -22,6 +22,7 @@ from . import (
     rank as rank_,
     remat as remat_,
     remat_mix,
+    remat_traced,
     stages as stages_,
     stages_scaled,
     topology,
@@ -180,7 +181,6 @@ def auto_plan(
         jobs.place(problem, layout, size, reach, available, budget_bytes)
         for layout in layouts(model_abs, n, list(rules)) + piped
     ]
-    raw: dict[int, float] = {}  # compute seconds as compiled, by id of the layout
 
     def row(job: jobs.Job, ratio: float = 1.0) -> Candidate:
         c = rank_.candidate(
@@ -195,7 +195,6 @@ def auto_plan(
             flops_per_second / loops,
             job.host,
         )
-        raw[id(job.layout)] = c.compute_time or 0.0
         c = stages_.timed(c, job.layout, flops, n, flops_per_second, ratio)
         return remat_.with_choices(c, job.layout, stages_.options(job.layout))
 
@@ -239,7 +238,7 @@ def auto_plan(
     if paths:
         pending = [(job.layout, c) for job, c in zip(work, candidates, strict=False)]
         candidates += skipped
-        savings = remat_mix.Savings(step, trace_args)
+        traced = remat_traced.Traced(step, trace_args)
 
         def remat_rows(todo: list[tuple[Any, Any, Candidate]]) -> list[tuple[Any, Candidate]]:
             """Each variant in `todo` compiled, with its row saying what it chose."""
@@ -248,13 +247,11 @@ def auto_plan(
             ]
             jobs.measure_all(problem, problem_key, extra, local, progress)
             made = []
-            for job, (v, base, c) in zip(extra, todo, strict=True):
-                first = row(job)  # records its compiled compute in `raw`
-                ratio = raw[id(v)] / raw[id(base)] if raw.get(id(base)) else 1.0
-                if v.pipeline is not None:  # its compute is the model's, times the recompute
-                    first = row(job, max(ratio, 1.0))
+            for job, (v, _, c) in zip(extra, todo, strict=True):
+                # A pipeline's compute is the model's flops, times what the remat adds to them.
+                first = row(job, traced.recomputed(v.remat, ()) if v.pipeline else 1.0)
                 links_here = topology.axis_links(v.shape, given, node)
-                made.append((v, remat_.described(first, v, c, ratio, budget_bytes, links_here)))
+                made.append((v, remat_.described(first, v, c, traced, budget_bytes, links_here)))
             return made
 
         tried: list[tuple[Any, Any, Candidate, Candidate]] = []
@@ -266,14 +263,10 @@ def auto_plan(
             for v, c in pruned:
                 row_ = remat_.dominated(v, c, best or 0.0)
                 candidates.append(remat_.with_choices(row_, v, stages_.options(v)))
-            made = remat_rows(todo)
+            todo, same = remat_.saving(todo, traced)  # no fewer bytes than the model's own
+            candidates += [remat_.with_choices(r, v, stages_.options(v)) for v, _, _, r in same]
             # Where every stack rematerialised fits, the fewest stacks that would, alone.
-            mixes = []
-            for (v, base, c), (_, every) in zip(todo, made, strict=True):
-                policy = remat_.policy_of(v)
-                some = remat_mix.mix(base, c, every, policy, savings(policy), budget_bytes)
-                if some is not None:
-                    mixes.append((some, base, c))
+            mixes, made = remat_mix.mixes(todo, remat_rows(todo), traced, budget_bytes)
             made += remat_rows(mixes)
             candidates += [c for _, c in made]
             tried += [
@@ -283,7 +276,7 @@ def auto_plan(
                 (base, c)
                 for (v, base, c), (_, r) in zip(todo, made, strict=False)
                 if not r.fits and remat_.policy_of(v) in remat_.FIRST
-            ]
+            ] + [(b, c) for v, b, c, _ in same if remat_.policy_of(v) in remat_.FIRST]
             pending = list({id(b): (b, c) for b, c in pending}.values())
         if problem.trains and offload_.supported(available):
             # Rematerialised and still over, but not by more than the optimiser state: that

@@ -103,7 +103,7 @@ def rows(plan: PlanLike) -> tuple[list[str], list[list[str]]]:
                 c.name,
                 mesh_str(c.mesh_shape),
                 *[_bytes(c, p) for p in parts],
-                ("~" if c.estimated else "") + total,
+                ("~" if c.estimated and c.total_bytes is not None else "") + total,
                 collectives_str(c),
                 seconds_str(c.time),
                 c.reason,
