@@ -16,7 +16,7 @@ from helpers import compiled_total
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import rank as rank_, remat_mix, remat_traced
+from eqxshard._plans.auto import rank as rank_, remat as remat_, remat_mix, remat_traced
 from eqxshard._plans.auto.candidates import Layout
 from eqxshard._tree import is_array_like
 
@@ -30,7 +30,7 @@ def _args(model):
 
 
 def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
-    args = _args(sd.make_two(jax.random.key(0)))
+    args = _args(eqx.filter_eval_shape(sd.make_two, jax.random.key(0)))
     rows = BATCH * TOKENS * F32
     # Without remat a block keeps its input (width), and its hidden pre- and post-tanh.
     traced = remat_traced.Traced(sd.step, args)
@@ -55,6 +55,18 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     # "dots" keeps the matmul outputs: the hidden pre-tanh, and the block's output.
     assert traced("dots") == {"wide": 3 * rows * 512, "narrow": 5 * rows * 64}
     assert traced("none") == {"wide": 0, "narrow": 0}
+    # An "offload" row: its compile (on CPU) counted the host-held outputs as device memory,
+    # at least their share per device comes off it, and they go out and back over PCIe.
+    pcie = eqxshard.Link(bandwidth=1e9, latency=1e-5)
+    v = Layout("DP + remat offload", {"data": 2}, P(), remat=(("wide", "offload"),))
+    compiled = _row("DP + remat offload", 5 << 20, False)
+    row = remat_.described(compiled, v, _row("DP", 6 << 20, False), traced, 4 << 20, {"host": pcie})
+    away = rows * 3 * 512 // 2
+    assert row.total_bytes == (5 << 20) - away and row.bytes["activations"] == (5 << 20) - away
+    assert row.fits and "remat offload on `wide`: fits with" in row.reason
+    assert "1.5 MiB of activations per device in host memory (at least)" in row.reason
+    assert row.host_time == pytest.approx(2 * (1e-5 + away / 1e9))
+    assert row.time == pytest.approx(1.0 + row.host_time)
 
 
 def _row(name: str, total: int, fits: bool) -> eqxshard.Candidate:
