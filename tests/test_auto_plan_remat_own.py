@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqxshard
 from eqxshard._plans.auto import (
+    batch_proxies,
     jobs,
     measure,
     rank as rank_,
@@ -193,7 +194,9 @@ def test_auto_plan_compiles_no_remat_that_saves_nothing_and_its_plan_runs(monkey
         return original(problem, placed, shape)
 
     monkeypatch.setattr(jobs, "compile_here", counting)
-    monkeypatch.setattr(jobs, "_CACHE", {})
+    fresh: dict = {}  # nothing cached by other tests: every compile is counted
+    monkeypatch.setattr(jobs, "_CACHE", fresh)
+    monkeypatch.setattr(batch_proxies, "CACHE", fresh)
     monkeypatch.setattr(jobs, "share_alongside", lambda rest, seconds: [])
     far = eqxshard.Link(bandwidth=1e7, latency=1e-3)  # offloading the state does not pay
     options: dict[str, Any] = dict(
