@@ -28,6 +28,7 @@ from eqxshard._plans.auto import (
     remat_traced,
     view,
 )
+from eqxshard._plans.auto.candidate import not_compiled
 from eqxshard._plans.auto.candidates import Layout
 from eqxshard._tree import is_array_like
 
@@ -223,3 +224,13 @@ def test_auto_plan_compiles_no_remat_that_saves_nothing_and_its_plan_runs(monkey
     )
     _, _, loss = train_step(model, state, batch)
     np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
+
+
+def test_nothing_fits_says_the_stacks_own_remat_is_the_least_already():
+    over = _row("DP", 3 << 20, False)
+    v = Layout("DP + remat dots", {"data": 2}, P(), remat=(("blocks", "dots"),))
+    why = "not compiled: dominated, remat dots keeps 1 B ...: it saves nothing; the rows ..."
+    same = not_compiled(v, why, remat={"blocks": "dots"})
+    message = str(rank_.nothing_fits(rank_.rank([over, same], 1 << 20), 1 << 20, 2, 16))
+    assert "The stacked layers' own `remat` keeps the least on the device already" in message
+    assert "activation checkpointing" not in message and "a smaller batch" in message

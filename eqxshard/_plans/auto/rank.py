@@ -201,6 +201,12 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Valu
     smaller_batch = f"a smaller batch (now {size}, {size // ways} per device)"
     remats = [c for c in measured if c.remat and c.time is not None]
     tried = ""
+    own = any(c.remat and "it saves nothing" in c.reason for c in table)
+    if remats or own:
+        tried = (
+            " The stacked layers' own `remat` keeps the least on the device already: no "
+            "other policy saves anything (their rows say so)."
+        )
     if remats:
         policies = sorted({p for c in remats for p in c.remat.values() if p != "none"})
         best = min(remats, key=lambda c: c.total_bytes or 0)
@@ -210,6 +216,7 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Valu
             f"smallest with it ({best.name} on {mesh_str(best.mesh_shape)}) is still "
             f"{over} over."
         )
+    if remats or own:
         if part in ("activations", "batch"):
             helps.append(smaller_batch)
         helps += ["a smaller optimiser state (e.g. bfloat16 moments)"]
