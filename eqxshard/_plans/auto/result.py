@@ -223,7 +223,8 @@ class Plan:
         if not callable(step):
             raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
         mesh = self._concrete_mesh("jit")
-        return use.jit(step, mesh, self.rules, self.batch_spec, donate, self._offloads_state)
+        offload = self._offloads_state
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, self.pipeline)
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
