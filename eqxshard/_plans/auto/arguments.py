@@ -137,10 +137,11 @@ def trace_step(step: Any, model: Any, opt_state: Any, batch: Any, trains: bool) 
     own = None
     with watching() as calls:
         out, failed = _eval_shape(traced, args)
-    if calls:
+    if calls:  # again with one stage over its axis: each call now runs, and is seen
         own = stages_step.found(calls, inputs, bool(stacks(model)))
-        with stages_step.tracing(own):
-            out, failed = _eval_shape(step, args)
+        with watching() as calls, stages_step.tracing(own):
+            out, failed = _eval_shape(traced, args)
+        own = own if failed else stages_step.found(calls, inputs, bool(stacks(model)))
     if failed is not None:
         e = failed
         raise ValueError(

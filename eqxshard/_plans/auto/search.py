@@ -200,7 +200,7 @@ def auto_plan(
 
     batch_proxies.measure(problem, problem_key, work, local, progress)
     batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
-    candidates = [row(job) for job in work] + (skipped if own else [])
+    candidates = [row(job) for job in work]
     if scaled:
         fastest = min((c for c in candidates if c.fits), key=lambda c: c.time or 0, default=None)
         best = None if fastest is None else fastest.time or 0
@@ -291,7 +291,7 @@ def auto_plan(
             both, slow = offload_.after_remat(tried, budget_bytes, best, given, node)
             candidates += [remat_.with_choices(c, v, stages_.options(v)) for v, c in slow]
             candidates += [c for _, c in remat_rows(both)]
-    table = rank_.rank(candidates, budget_bytes)
+    table = rank_.rank(candidates + (skipped if own else []), budget_bytes)
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)
     by_mesh = {repr(c.mesh_shape): topology.axis_links(c.mesh_shape, given, node) for c in table}
