@@ -165,8 +165,11 @@ def _eval_shape(step: Any, args: tuple) -> tuple[Any, Exception | None]:
         return None, e
 
 
-def check_rules(rules: Any, compile_limit: Any) -> None:
-    """Raises unless `rules` is a list of rules and `compile_limit` an int >= 1."""
+def check_options(optimizer: Any, flops_per_second: Any, rules: Any, compile_limit: Any) -> None:
+    """Raises unless `optimizer` is an optax transformation or None, `flops_per_second` a
+    finite number > 0, `rules` a list of rules and `compile_limit` an int >= 1."""
+    check_optimizer(optimizer)
+    check_flops(flops_per_second)
     if not isinstance(rules, Sequence) or isinstance(rules, str):
         raise TypeError(f"`auto_plan` takes `rules` as a list of rules, but got {rules!r}.")
     if isinstance(compile_limit, bool) or not isinstance(compile_limit, int) or compile_limit < 1:

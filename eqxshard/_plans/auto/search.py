@@ -62,7 +62,10 @@ def auto_plan(
     (matmul weights split over `model`, in-projections on their output dim and
     out-projections on their input dim, found from the model's structure and shapes, so
     that each pair needs one collective) and FSDP x TP, plus each of `rules` on every
-    mesh. The batch's leading dim is split over the `data` and `fsdp` axes.
+    mesh. The batch's leading dim is split over the `data` and `fsdp` axes. A step that
+    calls `filter_pipeline` itself (without `mesh=`) is planned on the meshes with its own
+    stage axis only, the leaves it pipelines split over it (`Plan.pipeline` then has
+    `"in_step": True`, and `plan.jit(step)` runs the step with the plan's mesh set).
 
     Each candidate's step is compiled (`jax.jit(...).lower(...).compile()`, nothing
     allocated) and measured: bytes per device from `memory_analysis()` (split into
@@ -118,7 +121,9 @@ def auto_plan(
     - `ValueError`: if `devices`, `budget` or `flops_per_second` is not positive (or is
         infinite), `devices_per_node` is below 1 or does not divide `devices`, `links`
         names an unknown axis or preset, `budget` cannot be read or found, `step` fails
-        to trace (with the error it raised), `batch` has no common leading dim; and if
+        to trace (with the error it raised), `batch` has no common leading dim, `step`
+        pipelines in a way no plan can choose (its own `mesh=`, `blocks` it computes, two
+        schedules, `pipeline_value_and_grad`: each said); and if
         no candidate fits, naming the smallest footprint found, what dominates it and
         what would help.
 
@@ -144,9 +149,7 @@ def auto_plan(
     """
     n, available = args_.resolve_devices(devices)
     budget_bytes = args_.resolve_budget(budget, available)
-    args_.check_optimizer(optimizer)
-    args_.check_flops(flops_per_second)
-    args_.check_rules(rules, compile_limit)
+    args_.check_options(optimizer, flops_per_second, rules, compile_limit)
     node = topology.check_devices_per_node(devices_per_node, n)
     model_abs = abstract(model)
     batch_abs = abstract(batch)
@@ -295,8 +298,7 @@ def auto_plan(
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)
     by_mesh = {repr(c.mesh_shape): topology.axis_links(c.mesh_shape, given, node) for c in table}
-    chosen = stages_.why_chosen(table, by_mesh) if own is None else None
-    table = chosen or stages_step.why_chosen(table, own)
+    table = stages_step.why_chosen(table, by_mesh, own)
     return Plan(
         mesh=_mesh(table[0].mesh_shape, available),
         rules=table[0].rules,

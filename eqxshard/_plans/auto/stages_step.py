@@ -171,10 +171,12 @@ def layouts(model: Any, own: OwnPipeline, n: int, size: int, reach: int):
     return out, rows
 
 
-def why_chosen(table: list[Candidate], own: OwnPipeline | None) -> list[Candidate]:
-    """The chosen row of a step that pipelines by itself says why no mesh without its
-    stage axis was weighed."""
-    if own is None or not table or not table[0].fits:
+def why_chosen(table: list[Candidate], links: Any, own: OwnPipeline | None) -> list[Candidate]:
+    """`stages.why_chosen` (`links`: by mesh); for a step that pipelines by itself, the
+    chosen row says instead why no mesh without its stage axis was weighed."""
+    if own is None:
+        return stages_.why_chosen(table, links)
+    if not table or not table[0].fits:
         return table
     reason = (
         f"{table[0].reason}; the step calls `filter_pipeline` over axis {own.axis!r} itself, "
