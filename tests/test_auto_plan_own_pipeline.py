@@ -59,20 +59,21 @@ def _plan(devices, batch, step=_step, model=None, **options: Any):
     )  # fmt: skip
 
 
-def _trains_as_one_device(plan, batch):
+def _trains_as_one_device(plan, batch, steps=2, check_bytes=True):
     """`plan.jit(step)` compiles to the table's bytes per device and trains as one device."""
     model, state = plan.init(_make, OPTIMIZER)(jax.random.key(0))
     train_step = plan.jit(_step)
-    compiled = train_step.lower(model, state, _x(batch)).compile()
-    total = compiled_total(compiled.memory_analysis())
-    assert plan.chosen.total_bytes is not None
-    assert abs(total - plan.chosen.total_bytes) <= 0.01 * total
+    if check_bytes:
+        compiled = train_step.lower(model, state, _x(batch)).compile()
+        total = compiled_total(compiled.memory_analysis())
+        assert plan.chosen.total_bytes is not None
+        assert abs(total - plan.chosen.total_bytes) <= 0.01 * total
     one = _make(jax.random.key(0))
     one_state = OPTIMIZER.init(eqx.filter(one, eqx.is_array))
     # One device runs the step with a one-stage mesh set (`filter_pipeline` needs one).
     with jax.set_mesh(jax.make_mesh((1,), ("pipe",), devices=jax.devices()[:1])):
         one_step = eqx.filter_jit(_step)
-        for _ in range(2):
+        for _ in range(steps):
             model, state, loss = train_step(model, state, _x(batch))
             one, one_state, one_loss = one_step(one, one_state, _x(batch))
             np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
@@ -90,7 +91,8 @@ def test_a_step_that_pipelines_by_itself_is_planned_over_its_axis():
     # `apply` has no `Stacked` to configure: it places the model, and the layers split.
     model = plan.apply(_make(jax.random.key(0)))
     assert model.blocks["w"].sharding.spec[0] == "pipe"
-    _trains_as_one_device(plan, 8)
+    # Its step runs with the plan's mesh set (bytes checked on eight devices, below).
+    _trains_as_one_device(plan, 8, steps=1, check_bytes=False)
 
 
 @pytest.mark.heavy
