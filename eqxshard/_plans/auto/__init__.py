@@ -5,8 +5,8 @@ Owns the verb (`search`) and its arguments (`arguments`); the candidate layouts
 roles found from the model's structure and shapes; `offload`: the same layouts with the
 optimiser state in pinned host memory, where only that fits; `stages`: a `stage` axis over
 the model's `Stacked` layers and its schedules; `stages_step`: the meshes with the stage
-axis of a step that calls `filter_pipeline` itself, found by `_pipeline.watch`; `remat`: remat policies for layouts over
-budget by their activations); placing and measuring them
+axis of a step that calls `filter_pipeline` itself, found by `_pipeline.watch`; `remat`:
+remat policies for layouts over budget by their activations); placing and measuring them
 (`jobs`; `measure`: memory by part; `host_memory`: what stays in host memory;
 `collectives`: bytes moved, read from the HLO; `flops`; the ops XLA runs on one device
 and replicates, e.g. `eqx.error_if`, read by `eqxshard._step.pinned`), compiled here, in
