@@ -14,6 +14,7 @@ the device than it, on any stack, saves nothing and is not compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections import Counter
@@ -125,8 +126,10 @@ class Traced:
     saves on the device against the model's own setting, what it keeps in host memory,
     and the flops it adds."""
 
-    def __init__(self, step: Any, args: tuple):
-        self._step, self._args = step, args
+    def __init__(self, step: Any, args: tuple, context: Any = contextlib.nullcontext):
+        """`context()`: what the step is traced in (a step that pipelines by itself needs
+        its stage axis set)."""
+        self._step, self._args, self._context = step, args, context
         self._known: dict[Remat | str, Residuals] = {}
         self.own = {p: s.remat for p, s in stacks(args[0]).items()}
 
@@ -135,7 +138,8 @@ class Traced:
         if remat == () and len(set(self.own.values())) == 1:
             remat = next(iter(self.own.values()))  # one policy on every stack: traced once
         if remat not in self._known:
-            self._known[remat] = residuals(self._step, self._args, remat)
+            with self._context():
+                self._known[remat] = residuals(self._step, self._args, remat)
         return self._known[remat]
 
     def __call__(self, policy: str) -> dict[str, int] | None:
