@@ -11,10 +11,9 @@ backwards left), each item as soon as its input came in an earlier tick.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-from schedule_chart import cell, colours, figure, frame, save
+from schedule_chart import cell, colours, figure, frame, main, save
 
 from eqxshard._pipeline.ticks import held, ticks
 
@@ -58,5 +57,4 @@ def draw(out: Path, stages: int = 4, microbatches: int = 8) -> int:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_suffix(".svg")
-    print(f"{draw(target)} busy cells -> {target}")
+    main(draw, __file__)

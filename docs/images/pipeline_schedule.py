@@ -10,11 +10,10 @@ through the stages, and idles (the bubble) where `k` is outside `0 .. M*R - 1`.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from matplotlib.patches import Rectangle
-from schedule_chart import cell, colours, figure, frame, save
+from schedule_chart import cell, colours, figure, frame, main, save
 
 
 def schedule(stages: int, microbatches: int, repeats: int) -> list[list[tuple[int, int] | None]]:
@@ -71,5 +70,4 @@ def draw(out: Path, stages: int = 4, microbatches: int = 4) -> int:
 
 
 if __name__ == "__main__":
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).with_suffix(".svg")
-    print(f"{draw(target)} busy cells -> {target}")
+    main(draw, __file__)

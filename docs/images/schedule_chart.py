@@ -8,6 +8,8 @@ their folder is on the import path).
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -56,3 +58,10 @@ def save(fig: Figure, xlabel: str, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, format="svg", metadata={"Date": None})
     plt.close(fig)
+
+
+def main(draw: Callable[[Path], int], script: str) -> None:
+    """A picture script's command line, `python SCRIPT [OUTPUT.svg]` (by default the
+    `.svg` next to the script): draws it and says how many busy cells it has."""
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(script).with_suffix(".svg")
+    print(f"{draw(target)} busy cells -> {target}")
