@@ -230,6 +230,8 @@ def test_errors_of_its_own_arguments():
         _call(targets={"t": _targets(8)}, loss=lambda y, t: jnp.mean(y - t["t"]))
     with pytest.raises(TypeError, match=r"(?s)`targets` to be an array.*\['name'\].*str"):
         _call(targets={"name": "abc"})
+    with pytest.raises(ValueError, match=r"`loss` to return a scalar.*returned shape \(4,\)"):
+        _call(loss=lambda y: jnp.mean(y, axis=0))  # one value per feature, not a scalar
 
 
 def test_traced_leaves_are_refused_naming_each():

@@ -31,6 +31,7 @@ from .arrays import (
     shard_map_specs_from_trace as shard_map_specs_from_trace,
     to_varying as to_varying,
     traced_memory_space as traced_memory_space,
+    traced_origin as traced_origin,
     traced_sharding as traced_sharding,
     tracing as tracing,
     vmap_batching as vmap_batching,

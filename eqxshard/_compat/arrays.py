@@ -30,6 +30,20 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, Tracer)
 
 
+def traced_origin(x: Any) -> Any:
+    """The value `x` was traced from, through the differentiation and batching tracers
+    wrapped around it (`grad`'s primal, `vmap`'s value): under `jax.grad` a leaf seen
+    inside the differentiated function is, after this, the very tracer of the argument."""
+    while True:
+        for name in ("primal", "val"):
+            inner = getattr(x, name, None)
+            if isinstance(x, Tracer) and isinstance(inner, Tracer):
+                x = inner
+                break
+        else:
+            return x
+
+
 def traced_sharding(x: Any) -> jax.sharding.NamedSharding | None:
     """The sharding JAX attaches to a tracer's abstract value, if it has one."""
     aval = getattr(x, "aval", None)

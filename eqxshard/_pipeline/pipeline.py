@@ -191,7 +191,7 @@ def filter_pipeline(
         y = run(blocks, x)  # as jax.lax.scan over the n layers gives
         ```
     """
-    _note(axis, microbatches, repeats)
+    _note(axis, microbatches, repeats, blocks, mesh)
     return run_pipeline(
         _VERB,
         layer,

@@ -17,6 +17,7 @@ from . import checks
 from .mpmd import run_mpmd
 from .remat import check_remat
 from .ticks import SCHEDULES
+from .watch import note as _note
 
 _VERB = "pipeline_value_and_grad"
 
@@ -25,6 +26,23 @@ def _like_x(grad: Any, x: Any) -> Any:
     """`grad` laid out as `x` where `x`'s leaves are `jax.Array`s (else where it is)."""
     target = jax.tree.map(lambda a: a.sharding if isinstance(a, jax.Array) else None, x)
     return filter_put(grad, target) if any(jax.tree.leaves(target)) else grad
+
+
+def _check_scalar_loss(loss: Any, x: Any, targets: Any, microbatches: int) -> None:
+    """`loss` returns a scalar on a microbatch of the output (shaped as `x`'s) and targets."""
+
+    def cut(a: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((a.shape[0] // microbatches, *a.shape[1:]), a.dtype)
+
+    given = (x,) if targets is None else (x, targets)
+    out = jax.eval_shape(loss, *jax.tree.map(cut, given))
+    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
+        got = jax.tree.map(lambda a: tuple(a.shape), out)
+        raise ValueError(
+            f"`{_VERB}` needs `loss` to return a scalar (shape `()`) for a microbatch, but it "
+            f"returned shape {got}. Reduce it inside `loss` (e.g. `jnp.mean(...)` over the "
+            "microbatch's rows): the value is the mean of `loss` over the microbatches."
+        )
 
 
 def pipeline_value_and_grad(
@@ -98,9 +116,10 @@ def pipeline_value_and_grad(
     **Raises:**
 
     - `ValueError`: everything `filter_pipeline` raises for its arguments (with
-        `repeats=1`); a mesh without devices; `schedule` not one named above; array leaves
-        that are traced (inside `jit`, `grad` or `vmap`), each named; leaves of `targets`
-        whose leading dim is not the batch, each named.
+        `repeats=1`); a mesh without devices; `loss` returning other than a scalar;
+        `schedule` not one named above; array leaves that are traced (inside `jit`,
+        `grad` or `vmap`), each named; leaves of `targets` whose leading dim is not the
+        batch, each named.
     - `TypeError`: everything `filter_pipeline` raises for its types; `loss` or `on_tick`
         not callable; non-array leaves of `targets`, each named.
 
@@ -132,6 +151,7 @@ def pipeline_value_and_grad(
         blocks = eqx.apply_updates(blocks, updates)  # one training step
         ```
     """
+    _note(axis, microbatches, 1, blocks, mesh, verb=_VERB)
     checks.check_layer(_VERB, layer)
     found = checks.get_mesh(_VERB, mesh, axis)
     checks.check_mpmd(_VERB, loss, schedule, SCHEDULES, found, on_tick)
@@ -143,6 +163,7 @@ def pipeline_value_and_grad(
     checks.check_concrete(_VERB, blocks=blocks, x=x, targets=targets)
     batch, batch_axes = checks.batch_size(_VERB, x, mesh, axis, microbatches)
     checks.check_targets(_VERB, targets, batch)
+    _check_scalar_loss(loss, x, targets, microbatches)
     policy = check_remat(_VERB, remat, mesh)
     weights, static = eqx.partition(blocks, eqx.is_array)
     value, grad_w, grad_x = run_mpmd(

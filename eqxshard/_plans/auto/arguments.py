@@ -11,8 +11,10 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh
 
-from ..._pipeline.watch import PipelineCall, watching
+from ..._pipeline.configure import stacks
+from ..._pipeline.watch import watching
 from ..._tree import format_bytes, is_array_like
+from . import stages_step
 
 # Without `budget=`, this fraction of the device's memory (`bytes_limit`) is left free,
 # for the runtime, the data pipeline and fragmentation.
@@ -118,22 +120,28 @@ def batch_size(batch: Any) -> int:
     return int(size or 0)
 
 
-def trace_step(step: Any, model: Any, opt_state: Any, batch: Any, trains: bool) -> None:
-    """Traces `step` once on shapes, so that a step that cannot run fails here, first."""
+def trace_step(step: Any, model: Any, opt_state: Any, batch: Any, trains: bool) -> Any:
+    """Traces `step` once on shapes, so that a step that cannot run fails here, first;
+    returns the pipeline of a step that calls `filter_pipeline` itself (`OwnPipeline`,
+    traced again with one stage over its axis), else `None`."""
     if not callable(step):
         raise TypeError(f"`auto_plan` takes a callable `step`, but got {type(step).__name__}.")
     args = (model, opt_state, batch) if trains else (model, batch)
     call = "step(model, opt_state, batch)" if trains else "step(model, batch)"
-    out: Any = None
+    inputs: list[tuple[Any, Any]] = []
+
+    def traced(model: Any, *rest: Any) -> Any:
+        inputs[:] = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_array_like)[0]
+        return step(model, *rest)
+
+    own = None
     with watching() as calls:
-        try:
-            out = eqx.filter_eval_shape(step, *args)
-        except Exception as e:
-            failed: Exception | None = e
-        else:
-            failed = None
-    if calls:
-        raise pipelines_by_itself(calls, failed) from failed
+        out, failed = _eval_shape(traced, args)
+    if calls:  # again with one stage over its axis: each call now runs, and is seen
+        own = stages_step.found(calls, inputs, bool(stacks(model)))
+        with watching() as calls, stages_step.tracing(own):
+            out, failed = _eval_shape(traced, args)
+        own = own if failed else stages_step.found(calls, inputs, bool(stacks(model)))
     if failed is not None:
         e = failed
         raise ValueError(
@@ -147,6 +155,27 @@ def trace_step(step: Any, model: Any, opt_state: Any, batch: Any, trains: bool) 
             f"`(model, opt_state, loss)`, but `{call}` returned {type(out).__name__}"
             f"{f' of length {len(out)}' if isinstance(out, tuple) else ''}."
         )
+    return own
+
+
+def _eval_shape(step: Any, args: tuple) -> tuple[Any, Exception | None]:
+    try:
+        return eqx.filter_eval_shape(step, *args), None
+    except Exception as e:
+        return None, e
+
+
+def check_options(optimizer: Any, flops_per_second: Any, rules: Any, compile_limit: Any) -> None:
+    """Raises unless `optimizer` is an optax transformation or None, `flops_per_second` a
+    finite number > 0, `rules` a list of rules and `compile_limit` an int >= 1."""
+    check_optimizer(optimizer)
+    check_flops(flops_per_second)
+    if not isinstance(rules, Sequence) or isinstance(rules, str):
+        raise TypeError(f"`auto_plan` takes `rules` as a list of rules, but got {rules!r}.")
+    if isinstance(compile_limit, bool) or not isinstance(compile_limit, int) or compile_limit < 1:
+        raise ValueError(
+            f"`auto_plan` takes `compile_limit` as an int >= 1, but got {compile_limit!r}."
+        )
 
 
 def check_optimizer(optimizer: Any) -> None:
@@ -159,24 +188,3 @@ def check_optimizer(optimizer: Any) -> None:
 
 def over_budget(total: int, budget: int) -> str:
     return f"over budget by {format_bytes(total - budget)}"
-
-
-def pipelines_by_itself(calls: list[PipelineCall], failed: Exception | None) -> ValueError:
-    """The error for a step that calls `filter_pipeline` itself: its stages come from the
-    mesh it runs under and its schedule is fixed in its code, so no candidate can choose
-    them (and the meshes without its axis cannot run it)."""
-    axes = sorted({c.axis for c in calls})
-    said = ", ".join(
-        f"axis {c.axis!r} with microbatches={c.microbatches}, repeats={c.repeats}" for c in calls
-    )
-    why = "" if failed is None else f" (tracing it without a mesh raised: {failed})"
-    return ValueError(
-        f"`auto_plan` found that `step` pipelines by itself: it calls `filter_pipeline` over "
-        f"{said}{why}. The stage count comes from the mesh the step runs under and the "
-        "schedule is fixed in the step, so no candidate layout can choose them, and a mesh "
-        f"without the axis {', '.join(repr(a) for a in axes)} cannot run the step. Hold the "
-        "layers in an `eqxshard.Stacked` and call it in the step instead "
-        "(`Stacked(blocks)`, or `Stacked.from_layers(layers)`): `auto_plan` then weighs its "
-        "stage counts, microbatches and schedules with the other layouts, and `Plan.apply` "
-        "configures it."
-    )

@@ -214,7 +214,9 @@ class Layout:
     note: str = ""
     offload: bool = False  # the optimiser state in pinned host memory between steps
     remat: tuple[tuple[str, str], ...] = ()  # (path of a `Stacked`, policy), see remat.py
-    pipeline: tuple[int, int] | None = None  # (microbatches, repeats) over `stage`
+    pipeline: tuple[int, int] | None = None  # (microbatches, repeats) over `stage_axis`
+    stage_axis: str = "stage"
+    in_step: bool = False  # the step calls `filter_pipeline` itself (see stages_step.py)
 
     @property
     def devices(self) -> int:

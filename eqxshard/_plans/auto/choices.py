@@ -10,6 +10,8 @@ REMAT_POLICIES = ("none", "dots", "full", "offload")
 # The parts of a step that can live in pinned host memory between steps.
 OFFLOADABLE = ("optimizer state",)
 PIPELINE_KEYS = ("axis", "microbatches", "repeats")
+# With `"in_step": True` the step calls `filter_pipeline` itself: nothing to configure.
+IN_STEP = "in_step"
 
 
 def check(remat: Any, offload: Any, pipeline: Any) -> tuple[dict[str, str] | str, tuple[str, ...]]:
@@ -49,10 +51,12 @@ def _offload(offload: Any, pipeline: Any) -> tuple[str, ...]:
             f"memory are {', '.join(repr(p) for p in OFFLOADABLE)}."
         )
     if pipeline is not None:
-        if not isinstance(pipeline, dict) or set(pipeline) != set(PIPELINE_KEYS):
+        keys = set(pipeline) - {IN_STEP} if isinstance(pipeline, dict) else None
+        if keys != set(PIPELINE_KEYS) or pipeline.get(IN_STEP, True) is not True:
             raise ValueError(
                 "`Plan` takes `pipeline` as None or a dict with the keys "
                 f"{', '.join(PIPELINE_KEYS)} (e.g. `{{'axis': 'stage', 'microbatches': 8, "
-                f"'repeats': 1}}`), but got {pipeline!r}."
+                f"'repeats': 1}}`), and `'{IN_STEP}': True` for a step that calls "
+                f"`filter_pipeline` itself, but got {pipeline!r}."
             )
     return tuple(dict.fromkeys(offload))

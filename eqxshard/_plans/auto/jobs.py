@@ -85,6 +85,7 @@ def place(
             layout.offload,
             layout.remat,
             layout.pipeline,
+            layout.in_step,
         )
     except (ValueError, TypeError) as e:
         return Job(layout, {}, rejected=" ".join(str(e).split())[:300])
@@ -119,6 +120,7 @@ def place(
         layout.offload,
         layout.remat,
         layout.pipeline,
+        layout.in_step,
     )
     return Job(layout, exact, small, placed, small=small, host=host)
 

@@ -8,6 +8,7 @@ the same layout. Nothing is allocated: every argument is a `jax.ShapeDtypeStruct
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ..._pipeline.configure import configure, configure_like
+from ..._pipeline.stage_major import with_mesh_set
 from ..._placement import place as place_
 from ..._placement.put import filter_put
 from ..._step.pinned import PinnedOp, pinned_ops
@@ -155,6 +157,7 @@ class Placed:
     batch: int
     offload: bool = False
     remat: bool = False  # a stack rematerialises: compiled with constant folding
+    mesh_set: Any = None  # the mesh set while the step traces (it pipelines by itself)
 
 
 def _on_host(tree: Any) -> Any:
@@ -175,11 +178,14 @@ def place(
     offload: bool = False,
     remat: tuple[tuple[str, str], ...] = (),
     pipeline: tuple[int, int] | None = None,
+    in_step: bool = False,
 ) -> Placed:
     """The candidate's arguments laid out on `mesh`; with `offload`, the optimiser state
     in pinned host memory (`opt_state` bytes are then host bytes); with `remat` or
-    `pipeline`, the model's `Stacked` layers configured so (`stages.configured`)."""
-    model = configured(problem.model, mesh, remat, pipeline)
+    `pipeline`, the model's `Stacked` layers configured so (`stages.configured`); with
+    `in_step` (the step calls `filter_pipeline` itself), nothing configured and `mesh`
+    set while the step traces."""
+    model = configured(problem.model, mesh, remat, None if in_step else pipeline)
     state = configure_like(problem.opt_state, model) if model is not problem.model else None
     model, model_shardings, parameters, gradients = placed(model, mesh, rules)
     arrays, static = eqx.partition(model, is_array_like)
@@ -201,6 +207,7 @@ def place(
         batch_bytes,
         offload and problem.trains,
         any(policy != "none" for _, policy in remat),
+        mesh if in_step else None,
     )
 
 
@@ -214,6 +221,10 @@ def configured(
     if pipeline is not None:
         options = {"axis": "stage", "microbatches": pipeline[0], "repeats": pipeline[1]}
     return configure("auto_plan", model, remat=dict(remat), pipeline=options, mesh=mesh)
+
+
+def _mesh_set(p: Placed) -> Any:
+    return contextlib.nullcontext() if p.mesh_set is None else with_mesh_set(p.mesh_set)
 
 
 def _jit(problem: Problem, p: Placed) -> Any:
@@ -250,7 +261,9 @@ def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurem
         options = FAST_COMPILE
         if p.remat:  # without folding, a full remat's step holds 10% less than it will
             options = {k: v for k, v in FAST_COMPILE.items() if k != "xla_disable_hlo_passes"}
-        compiled = _jit(problem, p).lower(*p.args).compile(compiler_options=options)
+        with _mesh_set(p):
+            lowered = _jit(problem, p).lower(*p.args)
+        compiled = lowered.compile(compiler_options=options)
     memory = compiled.memory_analysis()
     if memory is None:
         raise ValueError(
@@ -265,5 +278,6 @@ def lower_text(problem: Problem, p: Placed) -> str:
     process that has enough of them."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-        traced = _jit(problem, p).trace(*p.args)
+        with _mesh_set(p):
+            traced = _jit(problem, p).trace(*p.args)
         return traced.lower(lowering_platforms=("cpu",)).as_text()

@@ -43,7 +43,8 @@ class Plan:
     - `offload`: the parts held in pinned host memory between steps and moved in for
         the update: `("optimizer state",)` or `()`.
     - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
-        "repeats": ...}`.
+        "repeats": ...}`, with `"in_step": True` for a step that calls `filter_pipeline`
+        itself (`jit` then runs it with the mesh set; there is no `Stacked` to configure).
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
@@ -223,7 +224,8 @@ class Plan:
         if not callable(step):
             raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
         mesh = self._concrete_mesh("jit")
-        return use.jit(step, mesh, self.rules, self.batch_spec, donate, self._offloads_state)
+        offload = self._offloads_state
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, self.pipeline)
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the

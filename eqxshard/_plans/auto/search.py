@@ -24,6 +24,7 @@ from . import (
     remat_mix,
     stages as stages_,
     stages_scaled,
+    stages_step,
     topology,
 )
 from .cache import shapes_key as _shapes_key
@@ -61,7 +62,10 @@ def auto_plan(
     (matmul weights split over `model`, in-projections on their output dim and
     out-projections on their input dim, found from the model's structure and shapes, so
     that each pair needs one collective) and FSDP x TP, plus each of `rules` on every
-    mesh. The batch's leading dim is split over the `data` and `fsdp` axes.
+    mesh. The batch's leading dim is split over the `data` and `fsdp` axes. A step that
+    calls `filter_pipeline` itself (without `mesh=`) is planned on the meshes with its own
+    stage axis only, the leaves it pipelines split over it (`Plan.pipeline` then has
+    `"in_step": True`, and `plan.jit(step)` runs the step with the plan's mesh set).
 
     Each candidate's step is compiled (`jax.jit(...).lower(...).compile()`, nothing
     allocated) and measured: bytes per device from `memory_analysis()` (split into
@@ -117,7 +121,9 @@ def auto_plan(
     - `ValueError`: if `devices`, `budget` or `flops_per_second` is not positive (or is
         infinite), `devices_per_node` is below 1 or does not divide `devices`, `links`
         names an unknown axis or preset, `budget` cannot be read or found, `step` fails
-        to trace (with the error it raised), `batch` has no common leading dim; and if
+        to trace (with the error it raised), `batch` has no common leading dim, `step`
+        pipelines in a way no plan can choose (its own `mesh=`, `blocks` it computes, two
+        schedules, `pipeline_value_and_grad`: each said); and if
         no candidate fits, naming the smallest footprint found, what dominates it and
         what would help.
 
@@ -143,42 +149,38 @@ def auto_plan(
     """
     n, available = args_.resolve_devices(devices)
     budget_bytes = args_.resolve_budget(budget, available)
-    args_.check_optimizer(optimizer)
-    args_.check_flops(flops_per_second)
-    if not isinstance(rules, Sequence) or isinstance(rules, str):
-        raise TypeError(f"`auto_plan` takes `rules` as a list of rules, but got {rules!r}.")
-    if isinstance(compile_limit, bool) or not isinstance(compile_limit, int) or compile_limit < 1:
-        raise ValueError(
-            f"`auto_plan` takes `compile_limit` as an int >= 1, but got {compile_limit!r}."
-        )
+    args_.check_options(optimizer, flops_per_second, rules, compile_limit)
     node = topology.check_devices_per_node(devices_per_node, n)
-    given = topology.resolve(links, ("data", "fsdp", "model", stages_.AXIS))
     model_abs = abstract(model)
     batch_abs = abstract(batch)
     size = args_.batch_size(batch_abs)
     opt_abs = None
     if optimizer is not None:
         opt_abs = jax.eval_shape(optimizer.init, eqx.filter(model_abs, is_array_like))
-    args_.trace_step(step, model_abs, opt_abs, batch_abs, optimizer is not None)
+    own = args_.trace_step(step, model_abs, opt_abs, batch_abs, optimizer is not None)
+    given = topology.resolve(links, ("data", "fsdp", "model", own.axis if own else stages_.AXIS))
     problem = Problem(step, model_abs, opt_abs, batch_abs)
     trace_args = (
         (model_abs, opt_abs, batch_abs) if optimizer is not None else (model_abs, batch_abs)
     )
-    loops = flops_.loop_ratio(step, *trace_args)
     problem_key = (step, _shapes_key(model_abs), _shapes_key(opt_abs), _shapes_key(batch_abs))
     local = len(available)
     reach = max(compile_limit, 1)
     paths = list(stacks(model_abs))
-    flops = flops_.matmul_flops(step, *trace_args) if paths else 0.0
+    with stages_step.tracing(own):
+        loops = flops_.loop_ratio(step, *trace_args)
+        flops = flops_.matmul_flops(step, *trace_args) if paths or own else 0.0
     stage_link = topology.axis_links({stages_.AXIS: n}, given, node)[stages_.AXIS]
     piped, skipped = stages_.layouts(model_abs, n, size, flops, flops_per_second, stage_link)
+    if own is not None:  # only meshes with the step's own stage axis can run it
+        piped, skipped = stages_step.layouts(model_abs, own, n, size, reach)
     scaled: list = []  # stage layouts above `reach`: compiled once the others are ranked
-    if n > reach:
+    if n > reach and own is None:
         scaled, too_large = stages_scaled.compilable(piped, reach)
         piped, skipped = [], stages_scaled.instead(skipped, too_large)
     work = [
         jobs.place(problem, layout, size, reach, available, budget_bytes)
-        for layout in layouts(model_abs, n, list(rules)) + piped
+        for layout in ([] if own else layouts(model_abs, n, list(rules))) + piped
     ]
     raw: dict[int, float] = {}  # compute seconds as compiled, by id of the layout
 
@@ -292,11 +294,11 @@ def auto_plan(
             both, slow = offload_.after_remat(tried, budget_bytes, best, given, node)
             candidates += [remat_.with_choices(c, v, stages_.options(v)) for v, c in slow]
             candidates += [c for _, c in remat_rows(both)]
-    table = rank_.rank(candidates, budget_bytes)
+    table = rank_.rank(candidates + (skipped if own else []), budget_bytes)
     if not table[0].fits:
         raise rank_.nothing_fits(table, budget_bytes, n, size)
     by_mesh = {repr(c.mesh_shape): topology.axis_links(c.mesh_shape, given, node) for c in table}
-    table = stages_.why_chosen(table, by_mesh)
+    table = stages_step.why_chosen(table, by_mesh, own)
     return Plan(
         mesh=_mesh(table[0].mesh_shape, available),
         rules=table[0].rules,

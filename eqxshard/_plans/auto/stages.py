@@ -150,7 +150,8 @@ def options(layout: Layout) -> dict[str, Any] | None:
     if layout.pipeline is None:
         return None
     microbatches, repeats = layout.pipeline
-    return {"axis": AXIS, "microbatches": microbatches, "repeats": repeats}
+    chosen = {"axis": layout.stage_axis, "microbatches": microbatches, "repeats": repeats}
+    return chosen | ({"in_step": True} if layout.in_step else {})
 
 
 def timed(c: Candidate, layout: Layout, flops: float, n: int, fps: float, recompute: float):
@@ -158,7 +159,7 @@ def timed(c: Candidate, layout: Layout, flops: float, n: int, fps: float, recomp
     flops shared out, over `1 - bubble`, times `recompute` (the compiled remat's extra)."""
     if layout.pipeline is None or c.time is None:
         return c
-    share = bubble(layout.shape[AXIS], *layout.pipeline)
+    share = bubble(layout.shape[layout.stage_axis], *layout.pipeline)
     compute = flops / n / fps / (1 - share) * recompute
     time = (c.communication_time or 0.0) + compute + c.host_time
     return dataclasses.replace(c, compute_time=compute, time=time)

@@ -21,7 +21,7 @@ from .candidates import Role, spec_patterns, tensor_parallel_specs, with_rest
 
 
 def _inside(text: str, stacks: list[str]) -> bool:
-    return any(not p or text.startswith(p + ".") for p in stacks)
+    return any(not p or text == p or text.startswith(p + ".") for p in stacks)
 
 
 def _per_layer(spec: P | None) -> P | None:
@@ -38,7 +38,8 @@ def rule(
 ) -> tuple[Rule, list[str]] | None:
     """The rule of a stage mesh whose other axes are `shape` (with `model`), and the
     weights left whole (their dim does not divide); None when `model` splits no weight
-    of the stacks at `stacks` (dotted paths, matched as `stack_pattern`)."""
+    of the stacks at `stacks` (dotted paths of stacks or of their leaves, matched as
+    `stack_pattern`)."""
     specs, skipped, every = tensor_parallel_specs(model, roles, shape)
     layer = {t: _per_layer(s) for t, s in specs.items() if _inside(t, stacks)}
     if not layer:

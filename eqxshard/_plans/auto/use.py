@@ -4,6 +4,7 @@ model laid out and its `Stacked` layers configured (remat, pipeline) as the plan
 
 from __future__ import annotations
 
+import contextlib
 import functools as ft
 from collections.abc import Callable
 from typing import Any
@@ -11,10 +12,12 @@ from typing import Any
 import jax
 
 from ..._pipeline.configure import configure, configure_like as configure_like
+from ..._pipeline.stage_major import with_mesh_set
 from ..._placement.put import filter_put
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
 from ..plan import filter_plan
+from .choices import IN_STEP
 from .measure import HOST
 
 
@@ -43,8 +46,10 @@ class PlanStep:
         batch_spec: Any,
         donate: bool,
         offload: bool,
+        mesh_set: bool = False,
     ):
         self._step, self._mesh, self._rules, self._batch_spec = step, mesh, rules, batch_spec
+        self._mesh_set = mesh_set
         self._donate = (True, True, False) if donate else "none"
         self._offload = offload
         self._train = filter_jit(
@@ -93,27 +98,48 @@ class PlanStep:
             f"`(model, batch)` (evaluation), but `{name}` was called with {count} arguments."
         )
 
+    def _context(self) -> Any:
+        """The plan's mesh set, for a step that calls `filter_pipeline` itself (without
+        `mesh=`, it runs on the mesh set); a context that does nothing otherwise."""
+        return with_mesh_set(self._mesh) if self._mesh_set else contextlib.nullcontext()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._pick(args, kwargs)(*args, **kwargs)
+        with self._context():
+            return self._pick(args, kwargs)(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """As `filter_jit`'s `lower`: `.compile().memory_analysis()` gives the bytes per
         device of the step as it runs."""
-        return self._pick(args, kwargs).lower(*args, **kwargs)
+        with self._context():
+            return self._pick(args, kwargs).lower(*args, **kwargs)
+
+
+def in_step(pipeline: Any) -> bool:
+    """Whether a plan's `pipeline` is the step's own (`filter_pipeline` called in it)."""
+    return isinstance(pipeline, dict) and pipeline.get(IN_STEP, False) is True
 
 
 def jit(
-    step: Callable[..., Any], mesh: Any, rules: Any, batch_spec: Any, donate: bool, offload: bool
+    step: Callable[..., Any],
+    mesh: Any,
+    rules: Any,
+    batch_spec: Any,
+    donate: bool,
+    offload: bool,
+    pipeline: Any = None,
 ) -> PlanStep:
-    """`Plan.jit`, given the plan's concrete mesh, rules, batch spec and offload choice."""
+    """`Plan.jit`, given the plan's concrete mesh, rules, batch spec and offload choice;
+    for a step that pipelines by itself (`pipeline`), run with the mesh set."""
     if not isinstance(donate, bool):
         raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
-    return PlanStep(step, mesh, rules, batch_spec, donate, offload)
+    return PlanStep(step, mesh, rules, batch_spec, donate, offload, in_step(pipeline))
 
 
 def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str] | str, pipeline: Any) -> Any:
     """`model` with its `Stacked` layers set to the plan's `remat` and `pipeline` (the
-    model itself when the plan chose neither)."""
+    model itself when the plan chose neither, or the step pipelines by itself)."""
+    if in_step(pipeline):
+        pipeline = None  # the step calls `filter_pipeline` itself: no `Stacked` to set
     if not remat and pipeline is None:
         return model
     return configure(verb, model, remat=remat, pipeline=pipeline, mesh=mesh)
