@@ -152,6 +152,7 @@ def test_loss_is_replicated_scalar(plan):
     assert loss.shape == () and loss.sharding.is_equivalent_to(NamedSharding(plan.mesh, P()), 0)
 
 
+@pytest.mark.heavy  # runs every example of Plan's methods: auto_plan searches
 def test_method_examples_run():
     """The `!!! Example` of `Plan.jit` (test_docstrings runs only those of public names)."""
     import inspect
