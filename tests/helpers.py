@@ -192,3 +192,40 @@ def compiled_total(memory) -> int:
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes
     )
+
+
+def mse_step(optimizer: Any) -> Callable[..., Any]:
+    """A training step in `auto_plan`'s form, `step(model, opt_state, (x, y)) -> (model,
+    opt_state, loss)`: the mean squared error of `jax.vmap(model)(x)` against `y`, then one
+    `optimizer` update. A new function each call (its own entries in `auto_plan`'s cache)."""
+
+    def step(model, opt_state, batch):
+        x, y = batch
+        loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    return step
+
+
+def kept_layout_total(
+    step: Callable[..., Any], model: Any, opt_state: Any, batch: Any, loss_sharding: Sharding
+) -> int:
+    """Bytes per device of `step` compiled here (`compiled_total`), the model and the state
+    donated and kept in the layout they have, the loss laid out by `loss_sharding`."""
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def run(params, opt_state, batch):
+        new_model, new_state, loss = step(eqx.combine(params, static), opt_state, batch)
+        return eqx.filter(new_model, eqx.is_array), new_state, loss
+
+    out = (
+        jax.tree.map(lambda x: x.sharding, params),
+        jax.tree.map(lambda x: x.sharding, opt_state),
+        loss_sharding,
+    )
+    jitted = jax.jit(run, donate_argnums=(0, 1), out_shardings=out)
+    memory = jitted.lower(params, opt_state, batch).compile().memory_analysis()
+    assert memory is not None
+    return compiled_total(memory)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compiled_total
+from helpers import kept_layout_total, mse_step
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -31,12 +31,7 @@ def make_model(key):
     return eqx.nn.MLP(128, 128, 256, 1, key=key)  # up (256, 128), down (128, 256)
 
 
-def step(model, opt_state, batch):
-    x, y = batch
-    loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss
+step = mse_step(OPTIMIZER)
 
 
 def auto_plan(**kwargs):
@@ -55,25 +50,6 @@ def _data():
     return x, np.tanh(x[:, ::-1]).copy()
 
 
-def _compiled_total(model, opt_state, batch, loss_sharding):
-    """Bytes per device of the step compiled here, the layout kept and donated."""
-    params, static = eqx.partition(model, eqx.is_array)
-
-    def run(params, opt_state, batch):
-        new_model, new_state, loss = step(eqx.combine(params, static), opt_state, batch)
-        return eqx.filter(new_model, eqx.is_array), new_state, loss
-
-    out = (
-        jax.tree.map(lambda x: x.sharding, params),
-        jax.tree.map(lambda x: x.sharding, opt_state),
-        loss_sharding,
-    )
-    jitted = jax.jit(run, donate_argnums=(0, 1), out_shardings=out)
-    m = jitted.lower(params, opt_state, batch).compile().memory_analysis()
-    assert m is not None
-    return compiled_total(m)
-
-
 def test_chosen_plan_fits_by_its_own_compile_and_trains_like_unsharded(plan):
     chosen = plan.chosen
     assert chosen.fits and chosen.rank == 1 and chosen.reason.startswith("chosen")
@@ -84,7 +60,7 @@ def test_chosen_plan_fits_by_its_own_compile_and_trains_like_unsharded(plan):
     sharded = plan.shard(model, opt_state, batch)
     loss_sharding = NamedSharding(plan.mesh, P())
     model, opt_state, batch = sharded
-    total = _compiled_total(model, opt_state, batch, loss_sharding)
+    total = kept_layout_total(step, model, opt_state, batch, loss_sharding)
     assert total <= plan.budget
     assert abs(total - chosen.total_bytes) <= 0.05 * total
     # Three steps under the plan and unsharded give the same losses and parameters.
@@ -110,7 +86,7 @@ def test_ranking_against_a_hand_built_candidate(plan):
     model_s = eqxshard.filter_shard(model, mesh, rule)
     state_s = eqxshard.filter_shard(opt_state, mesh, rule)
     batch_s = eqxshard.filter_shard(_data(), mesh, P("fsdp"))
-    total = _compiled_total(model_s, state_s, batch_s, NamedSharding(mesh, P()))
+    total = kept_layout_total(step, model_s, state_s, batch_s, NamedSharding(mesh, P()))
     (row,) = [c for c in plan.table if c.mesh_shape == {"fsdp": 4}]
     assert abs(row.total_bytes - total) <= 0.05 * total
     assert row.fits == (total <= plan.budget)

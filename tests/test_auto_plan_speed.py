@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compiled_total
+from helpers import kept_layout_total, mse_step
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -27,15 +27,7 @@ OPTIMIZER = optax.adamw(1e-2)
 
 def make_step():
     """A new step function each call: its own entries in `auto_plan`'s cache."""
-
-    def step(model, opt_state, batch):
-        x, y = batch
-        loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-        updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), opt_state, loss
-
-    return step
+    return mse_step(OPTIMIZER)
 
 
 def deep_mlp():
@@ -54,21 +46,7 @@ def own_compile(step, model, mesh, spec, batch, batch_spec):
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
     model, opt_state = eqxshard.filter_shard((model, opt_state), mesh, spec)
     batch = eqxshard.filter_shard(batch, mesh, batch_spec)
-    params, static = eqx.partition(model, eqx.is_array)
-
-    def run(params, opt_state, batch):
-        new_model, new_state, loss = step(eqx.combine(params, static), opt_state, batch)
-        return eqx.filter(new_model, eqx.is_array), new_state, loss
-
-    out = (
-        jax.tree.map(lambda x: x.sharding, params),
-        jax.tree.map(lambda x: x.sharding, opt_state),
-        NamedSharding(mesh, P()),
-    )
-    jitted = jax.jit(run, donate_argnums=(0, 1), out_shardings=out)
-    m = jitted.lower(params, opt_state, batch).compile().memory_analysis()
-    assert m is not None
-    return compiled_total(m)
+    return kept_layout_total(step, model, opt_state, batch, NamedSharding(mesh, P()))
 
 
 def test_rejection_by_arithmetic_counts_what_the_step_keeps():

@@ -102,11 +102,12 @@ def test_eager_equinox_blocks_and_value_and_grad(repeats):
         return lambda blocks, x: jnp.sum(fn(blocks, x)["a"] ** 2)
 
     _close(pipe(blocks, x), scan(blocks, x))  # eagerly
-    # Eager autodiff of an output on Explicit axes needs the mesh in context (JAX's rule).
+    # Autodiff of an output on Explicit axes needs the mesh in context (JAX's rule), under
+    # `jit` too (eagerly, each op of the pipeline's backward dispatches on its own: a minute).
     # A derivative with respect to the blocks alone, where a part of the output ("b")
     # does not depend on them (jax 0.7's `psum` transpose asserted on one `psum` of both).
     with jax.set_mesh(mesh):
-        value, grads = eqx.filter_value_and_grad(loss(pipe))(blocks, x)
+        value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss(pipe)))(blocks, x)
     value_ref, grads_ref = eqx.filter_value_and_grad(loss(scan))(blocks, x)
     _close((value, grads), (value_ref, grads_ref))
     gx = eqx.filter_jit(jax.grad(loss(pipe), argnums=1))(blocks, x)

@@ -59,11 +59,14 @@ def test_apply_configures_the_stacks_and_computes_the_same(choices):
     assert model.blocks.remat == "none" and model.blocks.axis is None  # not changed in place
     # The layer dim is split over the stages, the other leaves replicated.
     assert configured.blocks.blocks.up.weight.sharding.spec == P("stage")
+    # Under `jit`: eagerly, each op of a pipelined stack dispatches on its own (minutes).
+    forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     np.testing.assert_allclose(
-        jax.vmap(configured)(batch[0]), jax.vmap(model)(batch[0]), rtol=1e-5, atol=1e-6
+        forward(configured, batch[0]), forward(model, batch[0]), rtol=1e-5, atol=1e-6
     )
-    got = _in_layer_order(eqx.filter_grad(sd.loss_fn)(configured, batch))
-    want = _in_layer_order(eqx.filter_grad(sd.loss_fn)(model, batch))
+    grad = eqx.filter_jit(eqx.filter_grad(sd.loss_fn))
+    got = _in_layer_order(grad(configured, batch))
+    want = _in_layer_order(grad(model, batch))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
     # What the program shows: `jax.checkpoint` around each layer, collective permutes

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import compiled_total
+from helpers import compiled_total, mse_step
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -23,12 +23,7 @@ def make_model(key):
     return eqx.nn.MLP(128, 128, 256, 1, key=key)
 
 
-def step(model, opt_state, batch):
-    x, y = batch
-    loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-    updates, opt_state = OPTIMIZER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss
+step = mse_step(OPTIMIZER)
 
 
 def evaluate(model, batch):
@@ -157,6 +152,7 @@ def test_loss_is_replicated_scalar(plan):
     assert loss.shape == () and loss.sharding.is_equivalent_to(NamedSharding(plan.mesh, P()), 0)
 
 
+@pytest.mark.heavy  # runs every example of Plan's methods: auto_plan searches
 def test_method_examples_run():
     """The `!!! Example` of `Plan.jit` (test_docstrings runs only those of public names)."""
     import inspect

@@ -57,6 +57,7 @@ def layers_close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6)
 
 
+@pytest.mark.heavy  # two compiled steps; test_stacked_pipeline checks the HLO on every JAX
 def test_filter_init_stores_a_circular_stack_stage_major_and_its_step_moves_no_weights():
     m = mesh()
     built = eqxshard.filter_init(make, m, RULES)(jax.random.key(0))

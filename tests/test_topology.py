@@ -75,6 +75,7 @@ def test_which_axes_get_which_link():
     assert LINKS["host"] == LINKS["pcie5"]
 
 
+@pytest.mark.heavy  # searches: the arithmetic is the same on every JAX
 def test_nodes_slow_the_axes_that_cross_them():
     one_node = auto_plan()
     two_per_node = auto_plan(devices_per_node=2)

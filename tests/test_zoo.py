@@ -208,7 +208,12 @@ def test_filter_map_in_chunks_matches_vmap(zoo, kind):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("zoo", ZOO, ids=repr)
+# On every JAX the cheapest model's search; the others once, in the tests part (heavy).
+@pytest.mark.parametrize(
+    "zoo",
+    [z if z.name == "conv_batchnorm" else pytest.param(z, marks=pytest.mark.heavy) for z in ZOO],
+    ids=repr,
+)
 def test_auto_plan_chooses_an_auto_mesh_that_trains(zoo):
     model, state = zoo.make(jax.random.key(0))
     batch = zoo.batch(ROWS)

@@ -116,29 +116,13 @@ def filter_jacfwd(
 
     **Arguments:**
 
-    - `fun`: the function to differentiate with respect to the array leaves of its first
-        argument (floating-point arrays; other leaves are held fixed and left as they are).
-    - `has_aux`: if `True`, `fun` returns `(output, aux)` and the Jacobian function returns
-        `(jacobian, aux)`.
-    - `batch_size`: how many basis vectors are pushed through `fun` at a time:
-        - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
-            `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
-        - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
-            `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
-    - `memory_budget`: bytes per device for `batch_size="auto"`:
-        - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
-            reports it (CPU reports none: pass a number there);
-        - a finite number of bytes `> 0`.
-        Under `jax.vmap` the budget is for the whole batch: the search measures the
-        vmapped program (of the innermost `vmap`, when they are nested).
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
-        its first dimension that the number of devices divides, each device computes its
-        own block of the Jacobian, and the result stays split along that dimension (no
-        collectives; a leaf with no such dimension is cut flat and padded, and laying it
-        out may take some). Outside `jit`, arrays committed to other devices (one device,
-        another mesh) are first moved onto the mesh whole, where `jit` puts uncommitted
-        ones. `None`: no splitting.
+    - `fun`: the function to differentiate, as for `filter_jacrev`.
+    - `has_aux`: as for `filter_jacrev`.
+    - `batch_size`: how many input basis vectors are pushed through `fun` at a time
+        (`None`, an int `>= 1` or `"auto"`), as for `filter_jacrev`.
+    - `memory_budget`: bytes per device for `batch_size="auto"`, as for `filter_jacrev`.
+    - `mesh`: a `jax.sharding.Mesh` to split the input basis over, as for `filter_jacrev`;
+        `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -150,17 +134,13 @@ def filter_jacfwd(
 
     **Raises:**
 
-    - `TypeError`: if `fun` is not callable; if `batch_size` is not `None`, an int or
-        `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
-        not axis names. When called: if a floating-point leaf of the first argument is complex
-        (forward mode needs real inputs, as `jax.jacfwd` without `holomorphic`).
-    - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
-        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
-        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
-        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
-        `memory_budget`) or if even one basis vector at a time does not fit (the error
-        says how many bytes the smallest chunk needs). When called: if the first argument
-        has no floating-point array leaf (nothing to differentiate).
+    - `TypeError`: as `filter_jacrev` does, for `fun`, `batch_size`, `memory_budget`, `mesh`
+        and `axis` of the wrong type. When called: if a floating-point leaf of the first
+        argument is complex (forward mode needs real inputs, as `jax.jacfwd` without
+        `holomorphic`).
+    - `ValueError`: as `filter_jacrev` does, for the values of `batch_size`,
+        `memory_budget`, `mesh` and `axis` and for a first argument without a
+        floating-point array leaf.
 
     !!! Example
 
@@ -200,29 +180,14 @@ def filter_hessian(
 
     **Arguments:**
 
-    - `fun`: the function to differentiate with respect to the array leaves of its first
-        argument (floating-point arrays; other leaves are held fixed and left as they are).
-    - `has_aux`: if `True`, `fun` returns `(output, aux)` and the Jacobian function returns
-        `(jacobian, aux)`.
-    - `batch_size`: how many basis vectors are pushed through `fun` at a time:
-        - `None`: all at once, exactly as Equinox and JAX do (the same program);
-        - an int `>= 1`: that many per step of a `jax.lax.fori_loop`, so memory is that of
-            `batch_size` passes (with `mesh`: across the mesh, a multiple of its devices);
-        - `"auto"`: the largest chunk whose compiled temporaries (per device, measured with
-            `compiled.memory_analysis()`) fit `memory_budget`, found once per input shapes.
-    - `memory_budget`: bytes per device for `batch_size="auto"`:
-        - `None`: half of the device's memory as `device.memory_stats()["bytes_limit"]`
-            reports it (CPU reports none: pass a number there);
-        - a finite number of bytes `> 0`.
-        Under `jax.vmap` the budget is for the whole batch: the search measures the
-        vmapped program (of the innermost `vmap`, when they are nested).
-    - `mesh`: a `jax.sharding.Mesh` to split the basis over: each basis leaf is cut along
-        its first dimension that the number of devices divides, each device computes its
-        own block of the Jacobian, and the result stays split along that dimension (no
-        collectives; a leaf with no such dimension is cut flat and padded, and laying it
-        out may take some). Outside `jit`, arrays committed to other devices (one device,
-        another mesh) are first moved onto the mesh whole, where `jit` puts uncommitted
-        ones. `None`: no splitting.
+    - `fun`: the function to differentiate, as for `filter_jacrev`.
+    - `has_aux`: if `True`, `fun` returns `(output, aux)` and the Hessian function returns
+        `(hessian, aux)`.
+    - `batch_size`: how many input basis vectors the outer forward pass pushes through at a
+        time, as for `filter_jacfwd`.
+    - `memory_budget`: bytes per device for `batch_size="auto"`, as for `filter_jacfwd`.
+    - `mesh`: a `jax.sharding.Mesh` to split the outer pass's basis over, as for
+        `filter_jacfwd`; `None`: no splitting.
     - `axis`: the mesh axis name (or tuple of names) to split over; `None`: all of them.
 
     **Returns:**
@@ -233,17 +198,12 @@ def filter_hessian(
 
     **Raises:**
 
-    - `TypeError`: if `fun` is not callable; if `batch_size` is not `None`, an int or
-        `"auto"`; if `memory_budget` is not a number; if `mesh` is not a `Mesh` or `axis`
-        not axis names. When called: if a floating-point leaf of the first argument is complex,
-        or an output leaf of `fun` is not real floating-point.
-    - `ValueError`: if `batch_size <= 0`; if `memory_budget` is not a finite number > 0,
-        or is given without `batch_size="auto"`; if `axis` names axes the mesh does not
-        have, or is given without `mesh`; if an int `batch_size` is not a multiple of the
-        mesh's devices; with `batch_size="auto"`, if no memory budget is known (CPU without
-        `memory_budget`) or if even one basis vector at a time does not fit (the error
-        says how many bytes the smallest chunk needs). When called: if the first argument
-        has no floating-point array leaf (nothing to differentiate).
+    - `TypeError`: as `filter_jacrev` does, for `fun`, `batch_size`, `memory_budget`, `mesh`
+        and `axis` of the wrong type. When called: if a floating-point leaf of the first
+        argument is complex, or an output leaf of `fun` is not real floating-point.
+    - `ValueError`: as `filter_jacrev` does, for the values of `batch_size`,
+        `memory_budget`, `mesh` and `axis` and for a first argument without a
+        floating-point array leaf.
 
     !!! Example
 

@@ -92,25 +92,38 @@ def _batch_axes(leaf: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, .
     return tuple(a for a in names if a != axis and a in mesh.axis_names)
 
 
+def _arrays(verb: str, name: str, tree: Any, expected: str, fix: str) -> Flat:
+    """`tree` (the argument `name`) flattened, after a `TypeError` naming each of its
+    non-array leaves, or saying it has none."""
+    flat = Flat(tree)
+    others = [i for i in range(len(flat.leaves)) if i not in set(flat.array_indices)]
+    if others or not flat.leaves:
+        rows = [(pathstr(flat.paths[i]), type(flat.leaves[i]).__name__) for i in others]
+        raise TypeError(
+            leaf_error(
+                f"`{verb}` needs `{name}` to be an array or a PyTree of arrays ({expected}), "
+                "but got these non-array leaves:",
+                rows or [(f"(the whole of `{name}`)", "no leaves")],
+                fix,
+            )
+        )
+    return flat
+
+
 def batch_size(
     verb: str, x: Any, mesh: Mesh | AbstractMesh, axis: str, microbatches: int
 ) -> tuple[int, tuple[str, ...]]:
     """The leading (batch) dim every leaf of `x` shares, and the mesh axes it is split over
     (those of the leaf split over the most); the size is divisible by `microbatches` times
     the data-parallel parts."""
-    flat = Flat(x)
-    others = [i for i in range(len(flat.leaves)) if i not in set(flat.array_indices)]
-    if others or not flat.leaves:
-        rows = [(pathstr(flat.paths[i]), type(flat.leaves[i]).__name__) for i in others]
-        raise TypeError(
-            leaf_error(
-                f"`{verb}` needs `x` to be an array or a PyTree of arrays (with a leading "
-                "batch dim), but got these non-array leaves:",
-                rows or [("(the whole of `x`)", "no leaves")],
-                "Pass arrays (`jnp.asarray(...)`); give `layer` other values by closure or "
-                "as non-array leaves of `blocks`.",
-            )
-        )
+    flat = _arrays(
+        verb,
+        "x",
+        x,
+        "with a leading batch dim",
+        "Pass arrays (`jnp.asarray(...)`); give `layer` other values by closure or as "
+        "non-array leaves of `blocks`.",
+    )
     leaves = [(p, a) for p, a in zip(flat.paths, flat.leaves, strict=True)]
     sizes = {a.shape[0] if a.ndim else None for _, a in leaves}
     sizes_of = dict(mesh.shape)
@@ -229,20 +242,15 @@ def check_targets(verb: str, targets: Any, batch: int) -> None:
     """`targets` (if given): arrays with the batch of `x` as their leading dim."""
     if targets is None:
         return
-    flat = Flat(targets)
+    flat = _arrays(
+        verb,
+        "targets",
+        targets,
+        "cut into microbatches as `x` is",
+        "Pass arrays, or `targets=None` and a `loss(y)` that needs none (other values can "
+        "reach `loss` by closure).",
+    )
     arrays = set(flat.array_indices)
-    others = [i for i in range(len(flat.leaves)) if i not in arrays]
-    if others or not flat.leaves:
-        rows = [(pathstr(flat.paths[i]), type(flat.leaves[i]).__name__) for i in others]
-        raise TypeError(
-            leaf_error(
-                f"`{verb}` needs `targets` to be an array or a PyTree of arrays (cut into "
-                "microbatches as `x` is), but got these non-array leaves:",
-                rows or [("(the whole of `targets`)", "no leaves")],
-                "Pass arrays, or `targets=None` and a `loss(y)` that needs none (other "
-                "values can reach `loss` by closure).",
-            )
-        )
     rows = [
         (pathstr(flat.paths[i]), f"shape {shape_str(flat.leaves[i].shape)}")
         for i in sorted(arrays)

@@ -86,19 +86,19 @@ def pipeline_value_and_grad(
     **Arguments:**
 
     - `layer`: `layer(block, h) -> h`, one layer (as for `filter_pipeline`).
-    - `blocks`: a PyTree whose array leaves share a leading layer dim `n` divisible by the
-        stages; its non-array leaves are shared by every layer. Laid out over `axis` with
-        `eqxshard.stages(axis)` it moves nothing; otherwise it is laid out so first.
-    - `x`: an array, or a PyTree of arrays, with a leading batch dim divisible by
-        `microbatches` (times the parts of a split over data-parallel axes).
+    - `blocks`: the layer stack, as for `filter_pipeline`, its `n` divisible by the
+        stages. Laid out over `axis` with `eqxshard.stages(axis)` it moves nothing;
+        otherwise it is laid out so first.
+    - `x`: the input, as for `filter_pipeline`: its batch divisible by `microbatches` (times
+        the parts of a split over data-parallel axes).
     - `loss`: `loss(y) -> scalar` on a microbatch `y` of the last layer's output, or
         `loss(y, t) -> scalar` with `targets`.
     - `targets`: `None`, or arrays with the batch of `x` leading, cut as `x` is and handed
         to `loss` on the last stage.
-    - `mesh`: a `jax.sharding.Mesh` with the axis `axis`; `None` uses the one set by
-        `jax.set_mesh`.
-    - `axis`: the mesh axis of the stages (default `"stage"`).
-    - `microbatches`: how many pieces the batch is cut into, at least the stages.
+    - `mesh`: as for `filter_pipeline`, but a `jax.sharding.Mesh` (its devices run the
+        stages), not an abstract one.
+    - `axis`: the mesh axis of the stages, as for `filter_pipeline` (default `"stage"`).
+    - `microbatches`: how many pieces the batch is cut into, as for `filter_pipeline`.
     - `remat`: each layer's `remat` policy, as for `filter_pipeline`.
     - `schedule`: `"1f1b"` (default), or `"gpipe"` (every forward, then every backward:
         the same values, `M` microbatches' residuals held per stage; for comparison).
@@ -129,21 +129,26 @@ def pipeline_value_and_grad(
         import equinox as eqx
         import jax
         import jax.numpy as jnp
+        import optax
         import eqxshard
 
         auto = (jax.sharding.AxisType.Auto,) * 2
         mesh = jax.make_mesh((2, jax.device_count() // 2), ("data", "stage"), axis_types=auto)
-        n = 2 * mesh.shape["stage"]  # layers
         make = lambda key: eqx.nn.Linear(16, 16, key=key)
-        blocks = eqx.filter_vmap(make)(jax.random.split(jax.random.key(0), n))
+        keys = jax.random.split(jax.random.key(0), 2 * mesh.shape["stage"])  # 2 layers a stage
+        blocks = eqx.filter_vmap(make)(keys)
         blocks = eqxshard.filter_shard(blocks, mesh, eqxshard.stages("stage"))
-        x = jnp.ones((32, 16))
+        x, t = jnp.ones((32, 16)), jnp.zeros((32, 16))
+        optimiser = optax.sgd(0.1)
+        state = optimiser.init(eqx.filter(blocks, eqx.is_array))
 
         layer = lambda block, h: jax.nn.tanh(jax.vmap(block)(h))
-        loss = lambda y: jnp.mean(y**2)
-        value, (grad_blocks, grad_x) = eqxshard.pipeline_value_and_grad(
-            layer, blocks, x, loss, mesh=mesh, microbatches=8
+        loss = lambda y, t: jnp.mean((y - t) ** 2)
+        value, (grads, _) = eqxshard.pipeline_value_and_grad(
+            layer, blocks, x, loss, targets=t, mesh=mesh, microbatches=8
         )
+        updates, state = optimiser.update(grads, state)
+        blocks = eqx.apply_updates(blocks, updates)  # one training step
         ```
     """
     _note(axis, microbatches, 1, blocks, mesh, verb=_VERB)

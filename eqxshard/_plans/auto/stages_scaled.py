@@ -21,6 +21,8 @@ row that says so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from . import links as links_
 from .candidate import Candidate, not_compiled
 from .candidates import Layout
@@ -30,24 +32,38 @@ from .stages import AXIS, bubble, options
 from .view import seconds_str
 
 
+def _leave_out(
+    layouts: list[Layout], why: Callable[[Layout], str | None]
+) -> tuple[list[Layout], list[Candidate]]:
+    """The layouts for which `why` gives no reason, and a not-compiled row for each of the
+    others, saying its reason."""
+    kept, rows = [], []
+    for layout in layouts:
+        reason = why(layout)
+        if reason is None:
+            kept.append(layout)
+        else:
+            rows.append(not_compiled(layout, reason, pipeline=options(layout)))
+    return kept, rows
+
+
 def compilable(layouts: list[Layout], reach: int) -> tuple[list[Layout], list[Candidate]]:
     """The stage layouts whose stage axis fits in a compile of `reach` devices, and a row
     for each of the others."""
-    kept, rows = [], []
-    for layout in layouts:
+
+    def why(layout: Layout) -> str | None:
         needs = stage_mesh_devices(layout.shape)
         if needs <= reach:
-            kept.append(layout)
-            continue
+            return None
         axes = " x ".join(
             f"{a}={2 if a != AXIS else s}" for a, s in layout.shape.items() if a != "data"
         )
-        why = (
+        return (
             f"not compiled: scaled from a compile on {axes}, {needs} devices, over "
             f"`compile_limit` = {reach} (raise it to weigh this mesh)"
         )
-        rows.append(not_compiled(layout, why, pipeline=options(layout)))
-    return kept, rows
+
+    return _leave_out(layouts, why)
 
 
 def floor(
@@ -83,19 +99,18 @@ def like_fastest(
     if fastest is None:
         return list(layouts), []
     axes = set(fastest)
-    kept, rows = [], []
-    for layout in layouts:
+    like = " x ".join(f"model={s}" if a == "model" else a for a, s in fastest.items())
+
+    def why(layout: Layout) -> str | None:
         rest = {a: s for a, s in layout.shape.items() if a != AXIS}
         if set(rest) == axes and rest.get("model") == fastest.get("model"):
-            kept.append(layout)
-            continue
-        like = " x ".join(f"model={s}" if a == "model" else a for a, s in fastest.items())
-        why = (
+            return None
+        return (
             f"not compiled: above `compile_limit`, stages are weighed with the axes of the "
             f"fastest layout without stages that fits ({like}) only"
         )
-        rows.append(not_compiled(layout, why, pipeline=options(layout)))
-    return kept, rows
+
+    return _leave_out(layouts, why)
 
 
 def worth(
