@@ -150,7 +150,8 @@ def _ops(text, name):
     return [line for line in text.splitlines() if f" {name}(" in line or f" {name}-start(" in line]
 
 
-@pytest.mark.parametrize("ambient", [False, True])
+# Built under `jax.set_mesh` (ambient): the same program, checked once, in the tests part.
+@pytest.mark.parametrize("ambient", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_a_circular_stack_is_stored_stage_major_and_moves_no_weights(ambient):
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16))
