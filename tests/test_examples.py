@@ -137,9 +137,13 @@ DEVICE_COUNTS = [1, 2]
 SHORT = {"train_multihost.py": ("--steps", "2", "--batch-size", "16")}
 
 
+# jacobian_scan.py compiles a dozen programs (a minute a run): on 1 device only here.
+ONE_COUNT = {"jacobian_scan.py": [1]}
+
+
 def _cases():
     for path in EXAMPLES:
-        for devices in DEVICE_COUNTS:
+        for devices in ONE_COUNT.get(path.name, DEVICE_COUNTS):
             yield pytest.param(path, devices, id=f"{path.name}-{devices}")
 
 
