@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, Sharding
 
+import eqxshard
+
 if TYPE_CHECKING:
     # `jax.Device` is a name jax assigns at import (`Device = xla_client.Device`), which a type
     # checker cannot use in an annotation; this is the class it names.
@@ -229,3 +231,25 @@ def kept_layout_total(
     memory = jitted.lower(params, opt_state, batch).compile().memory_analysis()
     assert memory is not None
     return compiled_total(memory)
+
+
+def candidate_row(name: str, total: int | None, fits: bool, **fields: Any) -> eqxshard.Candidate:
+    """A row of an `auto_plan` table, for the search's parts: a data-parallel mesh of 2
+    whose only bytes are `total` of activations; `fields` overrides any field."""
+    row: dict[str, Any] = dict(
+        rank=0,
+        name=name,
+        mesh_shape={"data": 2},
+        rules=P(),
+        bytes={"activations": total or 0},
+        total_bytes=total,
+        collectives={},
+        communication_time=0.0,
+        compute_time=1.0,
+        time=1.0,
+        fits=fits,
+        estimated=False,
+        measured_on="compiled here",
+        reason="",
+    )
+    return eqxshard.Candidate(**{**row, **fields})

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 import stacked_decoder as sd
-from helpers import compiled_total
+from helpers import candidate_row, compiled_total
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
@@ -59,8 +59,10 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     # at least their share per device comes off it, and they go out and back over PCIe.
     pcie = eqxshard.Link(bandwidth=1e9, latency=1e-5)
     v = Layout("DP + remat offload", {"data": 2}, P(), remat=(("wide", "offload"),))
-    compiled = _row("DP + remat offload", 5 << 20, False)
-    row = remat_.described(compiled, v, _row("DP", 6 << 20, False), traced, 4 << 20, {"host": pcie})
+    compiled = candidate_row("DP + remat offload", 5 << 20, False)
+    row = remat_.described(
+        compiled, v, candidate_row("DP", 6 << 20, False), traced, 4 << 20, {"host": pcie}
+    )
     away = rows * 3 * 512 // 2
     assert row.total_bytes == (5 << 20) - away and row.bytes["activations"] == (5 << 20) - away
     assert row.fits and "remat offload on `wide`: fits with" in row.reason
@@ -69,28 +71,9 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     assert row.time == pytest.approx(1.0 + row.host_time)
 
 
-def _row(name: str, total: int, fits: bool) -> eqxshard.Candidate:
-    return eqxshard.Candidate(
-        rank=0,
-        name=name,
-        mesh_shape={"data": 2},
-        rules=P(),
-        bytes={"activations": total},
-        total_bytes=total,
-        collectives={},
-        communication_time=0.0,
-        compute_time=1.0,
-        time=1.0,
-        fits=fits,
-        estimated=False,
-        measured_on="compiled here",
-        reason="",
-    )
-
-
 def test_a_mix_rematerialises_the_fewest_largest_stacks_that_cover_the_excess():
     base = Layout("DP", {"data": 2}, P())
-    without, every = _row("DP", 1000, False), _row("DP + remat full", 400, True)
+    without, every = candidate_row("DP", 1000, False), candidate_row("DP + remat full", 400, True)
     saving = {"a": 100, "b": 500, "c": 400}  # shares of the 600 bytes the compile saved
     # 150 over: "b" alone saves ~300 by its share, more than 1.1 x 150.
     some = remat_mix.mix(base, without, every, "full", saving, 850)
@@ -101,7 +84,7 @@ def test_a_mix_rematerialises_the_fewest_largest_stacks_that_cover_the_excess():
     assert some is not None and dict(some.remat) == {"a": "none", "b": "dots", "c": "dots"}
     # Every stack needed, remat on every stack not fitting, shares unknown, one stack: none.
     assert remat_mix.mix(base, without, every, "full", saving, 420) is None
-    assert remat_mix.mix(base, without, _row("x", 900, False), "full", saving, 850) is None
+    assert remat_mix.mix(base, without, candidate_row("x", 900, False), "full", saving, 850) is None
     assert remat_mix.mix(base, without, every, "full", None, 850) is None
     assert remat_mix.mix(base, without, every, "full", {"a": 1}, 850) is None
 
@@ -128,9 +111,9 @@ def test_a_plan_takes_a_policy_per_stack_or_one_for_all():
 
 
 def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
-    plain = _row("DP", 3 << 20, False)
+    plain = candidate_row("DP", 3 << 20, False)
     remat = eqxshard.Candidate(
-        **{**_row("DP + remat full", 2 << 20, False).__dict__, "remat": {"blocks": "full"}}
+        **{**candidate_row("DP + remat full", 2 << 20, False).__dict__, "remat": {"blocks": "full"}}
     )
     error = rank_.nothing_fits(rank_.rank([plain, remat], 1 << 20), 1 << 20, 2, 16)
     message = str(error)
@@ -145,11 +128,11 @@ def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
 def test_a_chosen_remat_row_says_what_it_spares_once():
     reason = "remat full on `blocks`: fits with 512.0 KiB to spare; without it 1.0 MiB over"
     chosen = eqxshard.Candidate(
-        **{**_row("DP + remat full", 512 << 10, True).__dict__, "reason": reason}
+        **{**candidate_row("DP + remat full", 512 << 10, True).__dict__, "reason": reason}
     )
     over = eqxshard.Candidate(
         **{
-            **_row("FSDP + remat dots", 2 << 20, False).__dict__,
+            **candidate_row("FSDP + remat dots", 2 << 20, False).__dict__,
             "reason": "remat dots on `blocks`: still 1.0 MiB over; without it 2.0 MiB over",
         }
     )

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import stacked_decoder as sd
-from helpers import compiled_total
+from helpers import candidate_row, compiled_total
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
@@ -58,30 +58,10 @@ def _args(model: Any) -> tuple:
     return abstract, state, sd.shapes(BATCH, TOKENS)
 
 
-def _row(name: str, total: int | None, fits: bool, **fields: Any) -> eqxshard.Candidate:
-    row: dict[str, Any] = dict(
-        rank=0,
-        name=name,
-        mesh_shape={"data": 2},
-        rules=P(),
-        bytes={"activations": total or 0},
-        total_bytes=total,
-        collectives={},
-        communication_time=0.0,
-        compute_time=1.0,
-        time=1.0,
-        fits=fits,
-        estimated=False,
-        measured_on="compiled here",
-        reason="",
-    )
-    return eqxshard.Candidate(**{**row, **fields})
-
-
 def test_a_policy_saving_nothing_against_the_models_own_remat_is_not_compiled():
     traced = remat_traced.Traced(sd.step, _args(eqx.filter_eval_shape(_one, "full")))
     base = Layout("DP", {"data": 2}, P())
-    over = _row("DP", 10 << 20, False)
+    over = candidate_row("DP", 10 << 20, False)
     for policies in (remat_.FIRST, remat_.THEN):
         todo, pruned = remat_.worth([(base, over)], ["blocks"], policies, None)
         assert pruned == [] and len(todo) == len(policies)
@@ -103,7 +83,7 @@ def test_a_policy_saving_nothing_against_the_models_own_remat_is_not_compiled():
     assert traced.recomputed(()) == traced.recomputed((("blocks", "full"),))
     assert traced.recomputed((("blocks", "dots"),)) == 1.0
     full = Layout("DP + remat full", {"data": 2}, P(), remat=(("blocks", "full"),))
-    row = remat_.described(_row("x", 1 << 20, True), full, over, traced, 2 << 20, {})
+    row = remat_.described(candidate_row("x", 1 << 20, True), full, over, traced, 2 << 20, {})
     assert "recomputes 17% more matmul flops than no remat" in row.reason
 
 
@@ -114,14 +94,14 @@ def test_a_policy_is_given_only_to_the_stacks_it_saves_on():
     assert traced.saving_on("dots") == ["narrow"] and traced.saves_nothing("dots") == ""
     base = Layout("DP", {"data": 2}, P())
     todo, _ = remat_.worth(
-        [(base, _row("DP", 10 << 20, False))], ["wide", "narrow"], ("dots",), None
+        [(base, candidate_row("DP", 10 << 20, False))], ["wide", "narrow"], ("dots",), None
     )
     keep, same = remat_.saving(todo, traced)
     assert same == [] and [(v.name, v.remat) for v, _, _ in keep] == [
         ("DP + remat dots on narrow", (("narrow", "dots"),))
     ]
     # A mix leaves a stack with its own policy out (it keeps it), and lists one kept whole.
-    without, every = _row("DP", 1000, False), _row("DP + remat full", 400, True)
+    without, every = candidate_row("DP", 1000, False), candidate_row("DP + remat full", 400, True)
     saving = {"a": 100, "b": 500, "c": 400}
     own = {"a": "full", "b": "none", "c": "none"}
     some = remat_mix.mix(base, without, every, "dots", saving, 850, own)
@@ -150,8 +130,10 @@ def test_a_mix_not_tried_for_a_stack_the_step_does_not_show_says_so():
     assert traced.missing() == ("narrow",) and traced("full") is None
     base = Layout("DP", {"data": 2}, P())
     v = Layout("DP + remat full", {"data": 2}, P(), remat=(("wide", "full"), ("narrow", "full")))
-    every = _row("DP + remat full", 400, True, reason="remat full on `wide`, `narrow`")
-    mixes, made = remat_mix.mixes([(v, base, _row("DP", 1000, False))], [(v, every)], traced, 850)
+    every = candidate_row("DP + remat full", 400, True, reason="remat full on `wide`, `narrow`")
+    mixes, made = remat_mix.mixes(
+        [(v, base, candidate_row("DP", 1000, False))], [(v, every)], traced, 850
+    )
     assert mixes == [] and made[0][0] is v
     assert made[0][1].reason == (
         "remat full on `wide`, `narrow`; remat per stack not tried: the scan of `narrow` "
@@ -160,16 +142,19 @@ def test_a_mix_not_tried_for_a_stack_the_step_does_not_show_says_so():
 
 
 def test_rows_not_compiled_show_no_estimate_mark_and_a_slower_offload_says_why():
-    estimated = _row("TP", 10 << 20, False, estimated=True, time=5.0)
+    estimated = candidate_row("TP", 10 << 20, False, estimated=True, time=5.0)
     v = Layout("TP + remat dots", {"model": 2}, P(), remat=(("blocks", "dots"),))
     row = remat_.dominated(v, estimated, 1.0)
     assert not row.estimated and row.total_bytes is None
-    table = rank_.rank([_row("DP", 1 << 20, True), estimated, row], 2 << 20)
+    table = rank_.rank([candidate_row("DP", 1 << 20, True), estimated, row], 2 << 20)
     plan = eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P("data"), table=table)
     _, body = view.rows(plan)
     assert body[2][1] == "TP + remat dots" and "~-" not in body[2]
     assert body[1][-4].startswith("~")  # the estimated total keeps its mark
-    fast, slow = _row("DP", 1 << 20, True), _row("DP + offload", 1 << 20, True, host_time=0.5)
+    fast, slow = (
+        candidate_row("DP", 1 << 20, True),
+        candidate_row("DP + offload", 1 << 20, True, host_time=0.5),
+    )
     slow = eqxshard.Candidate(**{**slow.__dict__, "time": 1.5})
     assert rank_.rank([fast, slow], 2 << 20)[1].reason == (
         "fits, but 1.50x the chosen step time: host memory traffic 500.00 ms vs 0 s"
@@ -227,7 +212,7 @@ def test_auto_plan_compiles_no_remat_that_saves_nothing_and_its_plan_runs(monkey
 
 
 def test_nothing_fits_says_the_stacks_own_remat_is_the_least_already():
-    over = _row("DP", 3 << 20, False)
+    over = candidate_row("DP", 3 << 20, False)
     v = Layout("DP + remat dots", {"data": 2}, P(), remat=(("blocks", "dots"),))
     why = "not compiled: dominated, remat dots keeps 1 B ...: it saves nothing; the rows ..."
     same = not_compiled(v, why, remat={"blocks": "dots"})
