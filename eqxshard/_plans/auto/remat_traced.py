@@ -65,9 +65,9 @@ def _forward_scans(jaxpr: Any, out: list[tuple[int, Counter, int, int]]) -> bool
                 (tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars[consts + carries :]
             )
             ys = eqn.outvars[carries:]
-            away = [v for v in ys if _compat.traced_memory_space(v) == host]
-            near = sum(_bytes(v.aval) for v in ys) - sum(_bytes(v.aval) for v in away)
-            out.append((int(eqn.params["length"]), xs, near, sum(_bytes(v.aval) for v in away)))
+            away = sum(_bytes(v.aval) for v in ys if _compat.traced_memory_space(v) == host)
+            near = sum(_bytes(v.aval) for v in ys) - away
+            out.append((int(eqn.params["length"]), xs, near, away))
             continue
         for inner in _subjaxprs(eqn.params):
             if not _forward_scans(inner, out):
