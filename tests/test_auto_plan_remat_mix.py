@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import eqxshard
 from eqxshard._plans.auto import rank as rank_, remat as remat_, remat_mix, remat_traced
 from eqxshard._plans.auto.candidates import Layout
-from eqxshard._tree import is_array_like
+from eqxshard._tree import format_bytes, is_array_like
 
 BATCH, TOKENS, WIDTH, F32 = 16, 32, 32, 4
 
@@ -56,19 +56,31 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     assert traced("dots") == {"wide": 3 * rows * 512, "narrow": 5 * rows * 64}
     assert traced("none") == {"wide": 0, "narrow": 0}
     # An "offload" row: its compile (on CPU) counted the host-held outputs as device memory,
-    # at least their share per device comes off it, and they go out and back over PCIe.
+    # so their share per device comes off it (and is its `host_bytes`), and they go out and
+    # back over PCIe.
     pcie = eqxshard.Link(bandwidth=1e9, latency=1e-5)
     v = Layout("DP + remat offload", {"data": 2}, P(), remat=(("wide", "offload"),))
     compiled = candidate_row("DP + remat offload", 5 << 20, False)
-    row = remat_.described(
-        compiled, v, candidate_row("DP", 6 << 20, False), traced, 4 << 20, {"host": pcie}
-    )
+    base = candidate_row("DP", 6 << 20, False)
+    row = remat_.described(compiled, v, base, traced, 4 << 20, {"host": pcie})
     away = rows * 3 * 512 // 2
     assert row.total_bytes == (5 << 20) - away and row.bytes["activations"] == (5 << 20) - away
+    assert row.host_bytes == away
     assert row.fits and "remat offload on `wide`: fits with" in row.reason
-    assert "1.5 MiB of activations per device in host memory (at least)" in row.reason
+    assert "1.5 MiB of activations per device in host memory, out and back" in row.reason
     assert row.host_time == pytest.approx(2 * (1e-5 + away / 1e9))
     assert row.time == pytest.approx(1.0 + row.host_time)
+    # With a tensor-parallel axis some may be whole on each device: at least that share.
+    tp = Layout("TP + remat offload", {"model": 2}, P(), remat=(("wide", "offload"),))
+    row = remat_.described(compiled, tp, base, traced, 4 << 20, {"host": pcie})
+    assert "1.5 MiB of activations per device in host memory (at least)" in row.reason
+    # A compile that counted them apart (GPU, TPU: `host_temp_size_in_bytes`, already in
+    # the row's `host_bytes`) is taken as it is: nothing comes off its device total twice.
+    apart = eqxshard.Candidate(**{**compiled.__dict__, "host_bytes": 3 << 20})
+    row = remat_.described(apart, v, base, traced, 4 << 20, {"host": pcie}, apart=3 << 20)
+    assert row.total_bytes == 5 << 20 and row.host_bytes == 3 << 20 and not row.fits
+    assert "3.0 MiB of activations per device in host memory, out and back" in row.reason
+    assert row.host_time == pytest.approx(2 * (1e-5 + (3 << 20) / 1e9))
 
 
 def test_a_mix_rematerialises_the_fewest_largest_stacks_that_cover_the_excess():
@@ -171,13 +183,20 @@ def test_auto_plan_rematerialises_only_the_wide_stack():
     assert (every.time or 0) > (chosen.time or 0)
     namespace = {"Plan": eqxshard.Plan, "P": P, "PartitionSpec": P, "fsdp": eqxshard.fsdp}
     assert eval(repr(plan), namespace) == plan
-    # `plan.jit(step)` compiles to the table's bytes, and trains as one device does.
+    _runs_as_its_row(plan)
+
+
+def _runs_as_its_row(plan: eqxshard.Plan) -> None:
+    """`plan.jit(step)` compiles to the chosen row's bytes per device (on CPU its compile
+    counts what the row holds in host memory as device memory), and trains as one device."""
     made, state = plan.init(sd.make_two, sd.OPTIMIZER)(jax.random.key(0))
-    assert (made.wide.remat, made.narrow.remat) == ("full", "none")
+    remat = plan.chosen.remat
+    assert (made.wide.remat, made.narrow.remat) == (remat["wide"], remat["narrow"])
     batch = sd.data(BATCH, TOKENS)
     train_step = plan.jit(sd.step)
     total = compiled_total(train_step.lower(made, state, batch).compile().memory_analysis())
-    assert abs(total - (chosen.total_bytes or 0)) <= 0.01 * total
+    total -= plan.chosen.host_bytes
+    assert abs(total - (plan.chosen.total_bytes or 0)) <= 0.01 * total
     one = sd.make_two(jax.random.key(0))
     one_state = sd.OPTIMIZER.init(eqx.filter(one, eqx.is_array))
     one_step = eqx.filter_jit(sd.step)
@@ -185,3 +204,37 @@ def test_auto_plan_rematerialises_only_the_wide_stack():
         made, state, loss = train_step(made, state, batch)
         one, one_state, one_loss = one_step(one, one_state, batch)
         np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
+
+
+@pytest.mark.heavy
+def test_a_fast_host_link_chooses_offload_whose_plan_holds_its_row():
+    # Compute is slow and host memory near: keeping the matmul outputs in host memory
+    # beats recomputing them ("full"), and fits where keeping them on the device ("dots")
+    # does not.
+    near = eqxshard.Link(bandwidth=1e12, latency=1e-7)
+    model = sd.make_two(jax.random.key(0))
+    plan = eqxshard.auto_plan(
+        sd.step,
+        model,
+        sd.shapes(BATCH, TOKENS),
+        devices=2,
+        budget="4MiB",
+        optimizer=sd.OPTIMIZER,
+        progress=False,
+        flops_per_second=1e9,
+        links={"host": near},
+    )
+    assert set(plan.chosen.remat.values()) == {"offload"} and plan.offload == ()
+    chosen = plan.chosen
+    # The saved matmul outputs (the wide and narrow hidden pre-tanh of every layer) are in
+    # host memory, the whole batch's split over the two devices: no longer on the device.
+    rows = BATCH * TOKENS * F32
+    assert chosen.host_bytes == rows * (3 * 512 + 5 * 64) // 2
+    said = f"{format_bytes(chosen.host_bytes)} of activations per device in host memory, out"
+    assert said in chosen.reason
+    # On CPU the compile is "dots"'s (the same outputs saved), which does not fit.
+    same = [c for c in plan.table if c.mesh_shape == chosen.mesh_shape]
+    dots = next(c for c in same if c.name.endswith("remat dots"))
+    assert chosen.fits and not dots.fits
+    assert (chosen.total_bytes or 0) + chosen.host_bytes == pytest.approx(dots.total_bytes, 0.01)
+    _runs_as_its_row(plan)

@@ -60,7 +60,8 @@ def affine(m0: Measurement, b0: int, m1: Measurement, b1: int, b: int) -> Measur
     )
     flops = max(_line(m0.flops, m1.flops, b0, b1, b), 0.0)
     host = max(int(round(_line(m0.host, m1.host, b0, b1, b))), 0)
-    return Measurement(memory, flops, found, m1.pinned, host)
+    temp = max(int(round(_line(m0.host_temp, m1.host_temp, b0, b1, b))), 0)
+    return Measurement(memory, flops, found, m1.pinned, host, temp)
 
 
 def measured(job: Job) -> Measurement | None:

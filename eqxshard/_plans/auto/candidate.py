@@ -33,9 +33,11 @@ class Candidate:
         subprocess with N CPU devices`, or the smaller mesh they are scaled from.
     - `reason`: why it was chosen or not (over budget by how much, how much slower).
     - `offload`: the parts held in pinned host memory between steps (`("optimizer
-        state",)` or `()`); their bytes per device are `host_bytes` (not in
-        `total_bytes`, which is device memory), and moving them in and out over the
-        `host` link takes `host_time` seconds per step (part of `time`).
+        state",)` or `()`).
+    - `host_bytes`: bytes per device in pinned host memory, not in `total_bytes` (which
+        is device memory): the optimiser state when offloaded, and the activations remat
+        `"offload"` saves for the backward pass. Moving them out and in over the `host`
+        link takes `host_time` seconds per step (part of `time`).
     - `remat`: the rematerialisation policy of each `Stacked` layer by path (`{}`: none).
     - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
     """

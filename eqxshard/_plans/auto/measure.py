@@ -69,6 +69,7 @@ class Measurement:
     collectives: tuple[Collective, ...]
     pinned: tuple[PinnedOp, ...] = ()  # ops run on one device and replicated
     host: int = 0  # bytes per device of the arguments and outputs held in host memory
+    host_temp: int = 0  # temporaries in host memory, where the backend counts them apart
 
     @property
     def total(self) -> int:
@@ -251,7 +252,10 @@ def measurement(memory: Any, flops: float, hlo_text: str, shape: dict[str, int])
     if getattr(memory, "host_argument_size_in_bytes", 0):  # counted apart already (GPU)
         host = 0
     found = tuple(collectives(hlo_text, shape))
-    return Measurement(stats, flops, found, tuple(pinned_ops(hlo_text)), host)
+    # GPU and TPU count the temporaries a step keeps in host memory (remat's offloaded
+    # activations) apart from `temp_size_in_bytes`; CPU, where they are one memory, does not.
+    host_temp = int(getattr(memory, "host_temp_size_in_bytes", 0) or 0)
+    return Measurement(stats, flops, found, tuple(pinned_ops(hlo_text)), host, host_temp)
 
 
 def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurement:

@@ -29,7 +29,8 @@ def candidate(
     host: int = 0,
 ) -> Candidate:
     """One row of the table, unranked (`rank` 0); `host` is the bytes per device of the
-    optimiser state held in host memory when `layout.offload`."""
+    optimiser state held in host memory when `layout.offload` (the temporaries a backend
+    counts in host memory apart, remat's offloaded activations on GPU, are added to it)."""
     offloaded = ("optimizer state",) if layout.offload else ()
     if measured is None:
         known = sum(exact.values()) if exact else None
@@ -100,7 +101,7 @@ def candidate(
         measured_on=where,
         reason=_with_pinned(rejected or note, measured),
         offload=offloaded,
-        host_bytes=host,
+        host_bytes=host + measured.host_temp,
         host_time=host_time,
     )
 

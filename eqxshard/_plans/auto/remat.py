@@ -22,9 +22,11 @@ several stacks, only those whose activations are largest are then tried with it
 (`remat_mix`). The recomputed flops are read from the step's jaxpr (its matmul flops,
 every layer counted, over those without remat: the compiled program's `cost_analysis()`
 counts a scanned layer once). `"offload"` keeps the matmul outputs it saves in host
-memory: the compile (on CPU, where host and device memory are one) counts them as device
-memory, so their bytes per device (at least the whole batch's over the mesh's devices)
-are taken off its total, and they cross the `host` link out and back each step.
+memory (the row's `host_bytes`), and they cross the `host` link out and back each step.
+GPU and TPU compiles count them apart; a CPU compile (host and device memory are one)
+counts them as device memory, so their bytes per device (the whole batch's over the
+devices: exact unless a tensor-parallel axis keeps some whole, then at least that) come
+off its total.
 """
 
 from __future__ import annotations
@@ -128,21 +130,29 @@ def described(
     traced: Traced,
     budget: int,
     links: dict[str, links_.Link],
+    apart: int = 0,
 ) -> Candidate:
     """A compiled remat row saying what it chose and why: the matmul flops it adds (by
     the step's jaxpr, against no remat), and for `"offload"` the activations it keeps in
-    host memory (off the compile's device total) and their trips over the host link."""
+    host memory and their trips over the host link. Those activations are in `host_bytes`
+    (with any optimiser state there): `apart`, where the compile counted them apart from
+    device memory (GPU, TPU: `c` has them already); else (CPU) the compile's share of them
+    per device (the whole batch's, from the step's jaxpr, over the devices), taken off its
+    device total."""
     policy = policy_of(v)
     on = [p for p, q in v.remat if q == policy]
     kept = [p for p, q in v.remat if q == "none"]
     head = f"remat {policy} on {_paths_str(on)}"
     if kept:
         head += f" only ({_paths_str(kept)} kept whole: less to save there)"
-    host_time, parts, away = c.host_time, dict(c.bytes), 0
+    host_time, parts, away, held, bound = c.host_time, dict(c.bytes), 0, apart, ""
     if policy == "offload":
-        whole = traced.host_bytes(v.remat)
-        away = min(whole // max(v.devices, 1), parts.get("activations", 0))
-        parts["activations"] = parts.get("activations", 0) - away
+        if not apart:  # counted as device memory (CPU): its share per device comes off
+            whole = traced.host_bytes(v.remat)
+            held = away = min(whole // max(v.devices, 1), parts.get("activations", 0))
+            parts["activations"] = parts.get("activations", 0) - away
+            # Split over every device unless an axis holds some whole (tensor parallelism).
+            bound = " (at least)" if set(v.shape) - {"data", "fsdp", "stage"} else ""
     total = (c.total_bytes or 0) - away
     fit = (
         f"fits with {format_bytes(budget - total)} to spare"
@@ -154,10 +164,10 @@ def described(
     said = [f"{head}: {fit}; {without}", f"recomputes {extra:.0%} more matmul flops than no remat"]
     if policy == "offload":
         link = links.get("host", links_.LINKS["host"])
-        trips = 2 * (link.latency + away / link.bandwidth)
+        trips = 2 * (link.latency + held / link.bandwidth)
         host_time += trips
         said.append(
-            f"{format_bytes(away)} of activations per device in host memory (at least), "
+            f"{format_bytes(held)} of activations per device in host memory{bound}, "
             f"out and back over PCIe: {seconds_str(trips)}"
         )
     reason = "; ".join(said) + (f"; {c.reason}" if c.reason else "")
@@ -168,6 +178,7 @@ def described(
         host_time=host_time,
         time=time,
         bytes=parts,
+        host_bytes=c.host_bytes + away,
         total_bytes=None if c.total_bytes is None else total,
         fits=c.total_bytes is not None and total <= budget,
     )

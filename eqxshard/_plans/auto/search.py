@@ -253,7 +253,9 @@ def auto_plan(
                 # A pipeline's compute is the model's flops, times what the remat adds to them.
                 first = row(job, traced.recomputed(v.remat, ()) if v.pipeline else 1.0)
                 links_here = topology.axis_links(v.shape, given, node)
-                made.append((v, remat_.described(first, v, c, traced, budget_bytes, links_here)))
+                apart = getattr(batch_proxies.measured(job), "host_temp", 0)
+                row_ = remat_.described(first, v, c, traced, budget_bytes, links_here, apart)
+                made.append((v, row_))
             return made
 
         tried: list[tuple[Any, Any, Candidate, Candidate]] = []

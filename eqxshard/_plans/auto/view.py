@@ -36,6 +36,10 @@ class CandidateLike(Protocol):
     def reason(self) -> str: ...
     @property
     def host_bytes(self) -> int: ...
+    @property
+    def offload(self) -> tuple[str, ...]: ...
+    @property
+    def remat(self) -> dict[str, str]: ...
 
 
 class PlanLike(Protocol):
@@ -127,7 +131,8 @@ def text(plan: PlanLike) -> str:
 def svg(plan: PlanLike, width: int = 640) -> str:
     """Stacked bars of bytes per device by part, one per measured candidate, and the budget
     as a red line; under a bar, a thin one for what the candidate holds in host memory (its
-    optimiser state, when offloaded), on the same scale."""
+    optimiser state, when offloaded; the activations remat `"offload"` saves), on the same
+    scale."""
     shown = [c for c in plan.table if c.total_bytes is not None]
     if not shown:
         return ""
@@ -166,7 +171,10 @@ def svg(plan: PlanLike, width: int = 640) -> str:
                 x0 += w
         if c.host_bytes:
             w = c.host_bytes / scale_max * span
-            tip = html.escape(f"optimizer state in host memory: {format_bytes(c.host_bytes)}")
+            held = ["optimizer state"] * bool(c.offload)
+            held += ["activations"] * ("offload" in c.remat.values())
+            what = " and ".join(held) or "temporaries"
+            tip = html.escape(f"{what} in host memory: {format_bytes(c.host_bytes)}")
             out.append(
                 f'<rect x="{label_w}" y="{y + bar_h}" width="{w:.1f}" height="{host_h}" '
                 f'fill="{_COLOURS[2]}" opacity="{1.0 if c.fits else 0.45}">'
