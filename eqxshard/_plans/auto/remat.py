@@ -25,8 +25,8 @@ counts a scanned layer once). `"offload"` keeps the matmul outputs it saves in h
 memory (the row's `host_bytes`), and they cross the `host` link out and back each step.
 GPU and TPU compiles count them apart; a CPU compile (host and device memory are one)
 counts them as device memory, so their bytes per device (the whole batch's over the
-devices: exact unless a tensor-parallel axis keeps some whole, then at least that) come
-off its total.
+devices: exact on data and fsdp axes; at least that where a tensor-parallel axis keeps
+some whole or a pipeline's ticks keep more) come off its total.
 """
 
 from __future__ import annotations
@@ -151,8 +151,9 @@ def described(
             whole = traced.host_bytes(v.remat)
             held = away = min(whole // max(v.devices, 1), parts.get("activations", 0))
             parts["activations"] = parts.get("activations", 0) - away
-            # Split over every device unless an axis holds some whole (tensor parallelism).
-            bound = " (at least)" if set(v.shape) - {"data", "fsdp", "stage"} else ""
+            # Split over every device, unless a tensor-parallel axis keeps some whole or a
+            # pipeline keeps some per tick (its idle ticks' too).
+            bound = " (at least)" if set(v.shape) - {"data", "fsdp"} else ""
     total = (c.total_bytes or 0) - away
     fit = (
         f"fits with {format_bytes(budget - total)} to spare"
