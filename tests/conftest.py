@@ -1,8 +1,10 @@
 """Every test runs with 8 CPU devices; warnings are errors (see pyproject.toml)."""
 
 import os
+from pathlib import Path
 
 import jax
+import pytest
 
 # Before JAX initialises its backends: 8 CPU devices on this one machine.
 jax.config.update("jax_num_cpu_devices", 8)
@@ -13,14 +15,27 @@ def pytest_report_header(config):
     return f"jax {jax.__version__}, devices: {jax.device_count()} x {jax.devices()[0].platform}"
 
 
+# The tests CI runs once (in its tests part) and not again on the lowest and the newest
+# JAX: the slow ones that are not parity tests (see tests/once.txt and .ci/once.py).
+ONCE = {
+    line
+    for line in (Path(__file__).parent / "once.txt").read_text().splitlines()
+    if line and not line.startswith("#")
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by the marks
 def pytest_collection_modifyitems(config, items):
-    """The files whose every test is heavy (subprocesses: notebooks, examples, launchers,
+    """Marks the tests listed in tests/once.txt `once`, and orders them: the files whose
+    every test is heavy (subprocesses: notebooks, examples, launchers,
     simulated nodes) run first, then those with some heavy tests (docs pages, searches), then
     the rest; each file kept whole, in its order (its module fixtures set up once). Under
     `-n 2` the long tests start early and the many short ones fill in at the end, instead of
     one worker waiting while the other runs a minute-long page."""
     marks: dict[object, set[bool]] = {}
     for item in items:
+        if item.nodeid in ONCE:
+            item.add_marker(pytest.mark.once)
         module = getattr(item, "module", None)
         marks.setdefault(module, set()).add(item.get_closest_marker("heavy") is not None)
     group = {
