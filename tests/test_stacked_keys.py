@@ -34,14 +34,34 @@ class DropBlock(eqx.Module):
         return h + self.drop(jnp.tanh(h @ self.w), key=key)
 
 
-def blocks():
-    return eqx.filter_vmap(DropBlock)(jax.random.split(jax.random.key(0), N))
+def blocks(n=N):
+    return eqx.filter_vmap(DropBlock)(jax.random.split(jax.random.key(0), n))
 
 
 def loop(layers, h, key):
     for layer, k in zip(layers, jax.random.split(key, len(layers)), strict=True):
         h = layer(h, key=k)
     return h
+
+
+def call(stack, h, key):
+    return stack(h, key=key)
+
+
+def scan_loss(model, run, x, keys):
+    return jnp.sum(jax.vmap(lambda h, k: run(model, h, k))(x, keys) ** 2)
+
+
+def pipeline_loss(model, run, x, keys, shared):
+    axes = (0, None) if shared else (0, 0)
+    return jnp.mean(jax.vmap(lambda h, k: run(model, h, k), axes)(x, keys) ** 2)
+
+
+# Module-wide: the loop's reference is compiled once for the cases that share it.
+SCAN_GRAD = eqx.filter_jit(eqx.filter_value_and_grad(scan_loss))
+GRAD = eqx.filter_jit(eqx.filter_value_and_grad(pipeline_loss))
+CALL = eqx.filter_jit(call)
+LOOP = eqx.filter_jit(loop)
 
 
 def close(a, b):
@@ -58,28 +78,32 @@ def test_which_blocks_take_a_key():
     assert not takes_key(jax.nn.relu)
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_the_scan_gives_each_layer_the_loop_s_key(remat):
-    stack = Stacked(blocks(), remat=remat)
-    layers = stack.to_layers()
+# The plain scan: 4 layers (a key each; the depth is not the point), the loop's value and
+# gradients computed once for both remat policies.
+SCAN_N = 4
+
+
+@pytest.fixture(scope="module")
+def scan_case():
     x = jax.random.normal(jax.random.key(1), (4, 3, D))
     keys = jax.random.split(jax.random.key(2), 4)
+    layers = Stacked(blocks(SCAN_N)).to_layers()
+    return x, keys, layers, SCAN_GRAD(layers, loop, x, keys)
 
-    def loss(model, run):
-        return jnp.sum(jax.vmap(lambda h, k: run(model, h, k))(x, keys) ** 2)
 
-    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
-    value, g = grad(stack, lambda s, h, k: s(h, key=k))
-    value_ref, g_ref = grad(layers, loop)
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_scan_gives_each_layer_the_loop_s_key(remat, scan_case):
+    x, keys, layers, (value_ref, g_ref) = scan_case
+    stack = Stacked(blocks(SCAN_N), remat=remat)
+    value, g = SCAN_GRAD(stack, call, x, keys)
     close(value, value_ref)
     close(g.to_layers(), g_ref)
     # Dropout ran: other keys, other values. (Under `jit`: eagerly each layer's ops dispatch
     # one by one.)
-    call = eqx.filter_jit(lambda s, h, k: s(h, key=k))
-    assert not np.allclose(call(stack, x[0], keys[0]), call(stack, x[0], keys[1]))
+    assert not np.allclose(CALL(stack, x[0], keys[0]), CALL(stack, x[0], keys[1]))
     # A raw `jax.random.PRNGKey` works as well.
     raw = jax.random.PRNGKey(3)
-    close(call(stack, x[0], raw), eqx.filter_jit(loop)(layers, x[0], raw))
+    close(CALL(stack, x[0], raw), LOOP(layers, x[0], raw))
 
 
 @pytest.mark.parametrize(
@@ -93,20 +117,12 @@ def test_the_pipeline_under_vmap_gives_each_layer_the_loop_s_key(repeats, shared
     x = jax.random.normal(jax.random.key(1), (8, 3, D))
     # A key per example, or one key shared by every example (the same masks in each).
     keys = jax.random.key(2) if shared else jax.random.split(jax.random.key(2), 8)
-    axes = (0, None) if shared else (0, 0)
-
-    def loss(model, run):
-        return jnp.mean(jax.vmap(lambda h, k: run(model, h, k), axes)(x, keys) ** 2)
-
-    grad = eqx.filter_jit(eqx.filter_value_and_grad(loss))
-    value, g = grad(stack, lambda s, h, k: s(h, key=k))
-    value_ref, g_ref = grad(layers, loop)
+    value, g = GRAD(stack, call, x, keys, shared)
+    value_ref, g_ref = GRAD(layers, loop, x, keys, shared)
     close(value, value_ref)
     close(eqx.tree_at(lambda s: s.blocks, stack, g.blocks).to_layers(), g_ref)
-    params, static = eqx.partition(stack, eqx.is_array)  # Dropout's numbers stay Python's
-    run = jax.jit(lambda p: loss(eqx.combine(p, static), lambda s, h, k: s(h, key=k)))
-    text = run.lower(params).as_text()
-    assert "collective_permute" in text
+    # The pipeline is in the program (of the gradient step just compiled: traced once).
+    assert "collective_permute" in GRAD.lower(stack, call, x, keys, shared).as_text()
 
 
 def test_the_pipeline_on_a_batch_gives_each_microbatch_its_own_key():
