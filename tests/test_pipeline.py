@@ -34,6 +34,15 @@ def _loss(fn):
     return lambda blocks, x: jnp.sum(jnp.sin(fn(blocks, x)))
 
 
+@pytest.fixture(scope="module")
+def reference():
+    """The scan's output and gradients (of `_loss`, for the blocks and x) on the tiny stack,
+    computed once for every test of the module that compares with them."""
+    out = jax.jit(_scan)(_blocks(), _x())
+    grads = jax.jit(jax.grad(_loss(_scan), argnums=(0, 1)))(_blocks(), _x())
+    return out, grads
+
+
 def _close(a, b):
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
@@ -57,7 +66,7 @@ def _over_model(path, leaf):  # one layer's dims: w's columns and b over "model"
 
 
 @pytest.mark.parametrize(("kind", "shape", "names", "xspec", "repeats"), CASES)
-def test_matches_scan_under_jit(kind, shape, names, xspec, repeats):
+def test_matches_scan_under_jit(kind, shape, names, xspec, repeats, reference):
     mesh = make_mesh(kind, shape=shape, names=names)
     inner = _over_model if "model" in names else None
     blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages(inner=inner))
@@ -69,12 +78,12 @@ def test_matches_scan_under_jit(kind, shape, names, xspec, repeats):
         )
 
     out = jax.jit(pipe)(blocks, x)
-    _close(out, _scan(_blocks(), _x()))
+    _close(out, reference[0])
     expected = jax.jit(_scan)(jax.device_put(_blocks(), NamedSharding(mesh, P())), x)
     if "model" not in names:  # over an Auto "model" axis, the compiler picks the layout
         assert out.sharding.is_equivalent_to(expected.sharding, 2)
     grads = jax.jit(jax.grad(_loss(pipe), argnums=(0, 1)))(blocks, x)
-    _close(grads, jax.grad(_loss(_scan), argnums=(0, 1))(_blocks(), _x()))
+    _close(grads, reference[1])
     # The gradient of the stack comes back laid out as the stack.
     assert grads[0]["w"].sharding.is_equivalent_to(blocks["w"].sharding, 3)
 
@@ -117,7 +126,7 @@ def test_eager_equinox_blocks_and_value_and_grad(repeats):
 
 
 @pytest.mark.parametrize("remat", [None, "none", "dots", "full", "offload"])
-def test_remat_policies_keep_values_and_gradients(remat):
+def test_remat_policies_keep_values_and_gradients(remat, reference):
     mesh = make_mesh("explicit", shape=(4,), names=("stage",))
     blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages())
 
@@ -129,7 +138,7 @@ def test_remat_policies_keep_values_and_gradients(remat):
             pipe(blocks, _x())
         return
     grads = jax.jit(jax.grad(_loss(pipe), argnums=(0, 1)))(blocks, _x())
-    _close(grads, jax.grad(_loss(_scan), argnums=(0, 1))(_blocks(), _x()))
+    _close(grads, reference[1])
 
 
 def test_remat_full_recomputes_layers():
@@ -200,7 +209,7 @@ def test_model_axis_splits_each_stage_further():
     assert args == w // 8 + b // 4 + x.nbytes  # w split over stage x model, b over stage
 
 
-def test_ambient_mesh_and_filter_jit():
+def test_ambient_mesh_and_filter_jit(reference):
     mesh = make_mesh("explicit", shape=(2, 4), names=("data", "stage"))
     blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages())
     x = eqxshard.filter_shard(_x(), mesh, P("data"))
@@ -210,7 +219,7 @@ def test_ambient_mesh_and_filter_jit():
         return eqxshard.filter_pipeline(_layer, blocks, x, microbatches=4)
 
     with jax.set_mesh(mesh):
-        _close(pipe(blocks, x), _scan(_blocks(), _x()))
+        _close(pipe(blocks, x), reference[0])
 
 
 def test_stage_major_stack_runs_circular_without_moving_weights():
