@@ -58,6 +58,24 @@ def close(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=2e-5)
 
 
+def loss_stacked(stack, x):
+    return jnp.sum(jax.vmap(stack)(x) ** 2)
+
+
+def loss_loop(layers, x):
+    return jnp.sum(jax.vmap(lambda h: loop(layers, h))(x) ** 2)
+
+
+@pytest.fixture(scope="module")
+def loop_reference():
+    """The Python loop's value and gradients on 5 blocks, its output for one example and for
+    a batch: computed once for every case that compares with them."""
+    layers = Stacked(make_blocks(5)).to_layers()
+    x = jax.random.normal(jax.random.key(1), (4, D))
+    value, g = eqx.filter_jit(eqx.filter_value_and_grad(loss_loop))(layers, x)
+    return x, value, g, loop(layers, x[0]), loop(layers, x)
+
+
 @pytest.mark.parametrize(
     "remat, jit",
     [
@@ -69,26 +87,17 @@ def close(a, b):
         (None, False),
     ],
 )
-def test_values_and_gradients_equal_the_python_loop(remat, jit):
+def test_values_and_gradients_equal_the_python_loop(remat, jit, loop_reference):
+    x, value_ref, g_ref, one_ref, batch_ref = loop_reference
     stack = Stacked(make_blocks(5), remat=remat)
-    layers = stack.to_layers()
-    x = jax.random.normal(jax.random.key(1), (4, D))
-
-    def loss_stacked(stack, x):
-        return jnp.sum(jax.vmap(stack)(x) ** 2)
-
-    def loss_loop(layers, x):
-        return jnp.sum(jax.vmap(lambda h: loop(layers, h))(x) ** 2)
-
-    grad = eqx.filter_value_and_grad
+    grad = eqx.filter_value_and_grad(loss_stacked)
     if jit:
-        grad = lambda f: eqx.filter_jit(eqx.filter_value_and_grad(f))  # noqa: E731
-    value, g = grad(loss_stacked)(stack, x)
-    value_ref, g_ref = grad(loss_loop)(layers, x)
+        grad = eqx.filter_jit(grad)
+    value, g = grad(stack, x)
     close(value, value_ref)
     close(g.to_layers(), g_ref)
-    close(stack(x[0]), loop(layers, x[0]))  # one example
-    close(stack(x), loop(layers, x))  # a batch, for blocks that take one
+    close(stack(x[0]), one_ref)  # one example
+    close(stack(x), batch_ref)  # a batch, for blocks that take one
 
 
 def test_pytree_activations_and_shared_non_array_leaves():
