@@ -36,6 +36,20 @@ def _remat_in_jaxpr(model, batch) -> bool:
     return re.search(r"= (remat2|checkpoint)\[", text) is not None
 
 
+# Under `jit`: eagerly, each op of a pipelined stack dispatches on its own (minutes).
+FORWARD = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+GRAD = eqx.filter_jit(eqx.filter_grad(sd.loss_fn))
+
+
+@pytest.fixture(scope="module")
+def unconfigured():
+    """The model as made, its outputs and gradients: computed once for every case."""
+    model = sd.make(jax.random.key(0))
+    batch = sd.data()
+    assert not _remat_in_jaxpr(model, batch)
+    return model, batch, FORWARD(model, batch[0]), _in_layer_order(GRAD(model, batch))
+
+
 @pytest.mark.parametrize(
     "choices",
     [
@@ -45,10 +59,9 @@ def _remat_in_jaxpr(model, batch) -> bool:
     ],
     ids=["remat", "remat+gpipe", "circular"],
 )
-def test_apply_configures_the_stacks_and_computes_the_same(choices):
+def test_apply_configures_the_stacks_and_computes_the_same(choices, unconfigured):
     plan = _plan(**choices)
-    model = sd.make(jax.random.key(0))
-    batch = sd.data()
+    model, batch, out, want = unconfigured
     configured = plan.apply(model)
     stack = configured.blocks
     assert stack.remat == choices.get("remat", {}).get("blocks", "none")
@@ -59,20 +72,13 @@ def test_apply_configures_the_stacks_and_computes_the_same(choices):
     assert model.blocks.remat == "none" and model.blocks.axis is None  # not changed in place
     # The layer dim is split over the stages, the other leaves replicated.
     assert configured.blocks.blocks.up.weight.sharding.spec == P("stage")
-    # Under `jit`: eagerly, each op of a pipelined stack dispatches on its own (minutes).
-    forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
-    np.testing.assert_allclose(
-        forward(configured, batch[0]), forward(model, batch[0]), rtol=1e-5, atol=1e-6
-    )
-    grad = eqx.filter_jit(eqx.filter_grad(sd.loss_fn))
-    got = _in_layer_order(grad(configured, batch))
-    want = _in_layer_order(grad(model, batch))
+    np.testing.assert_allclose(FORWARD(configured, batch[0]), out, rtol=1e-5, atol=1e-6)
+    got = _in_layer_order(GRAD(configured, batch))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-    # What the program shows: `jax.checkpoint` around each layer, collective permutes
-    # between the stages.
+    # What the program shows: `jax.checkpoint` around each layer (none in the model as
+    # made: checked by the fixture), collective permutes between the stages.
     assert _remat_in_jaxpr(configured, batch) == ("remat" in choices)
-    assert not _remat_in_jaxpr(model, batch)
     state = sd.OPTIMIZER.init(eqx.filter(configured, eqx.is_array))
     text = plan.jit(sd.step).lower(configured, state, batch).compile().as_text()
     assert ("collective-permute" in text) == (pipeline is not None)
