@@ -42,6 +42,14 @@ def _close(a, b):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def expected():
+    """`jax.value_and_grad` of the scan's loss (for the blocks and x), computed once for every
+    mesh and schedule."""
+    loss = lambda blocks, x: _mse(_scan(blocks, x), _targets())  # noqa: E731
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(_blocks(), _x())
+
+
 # (mesh kind, shape, names, the spec of x's batch, the stack's spec inside a stage)
 CASES = [
     ("auto", (2, 4), ("data", "stage"), P("data"), None),
@@ -53,7 +61,7 @@ CASES = [
 @pytest.mark.parametrize(("kind", "shape", "names", "xspec", "inner"), CASES)
 # GPipe's order once, in the tests part: the same programs as 1F1B's, run in another order.
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("gpipe", marks=pytest.mark.heavy)])
-def test_value_and_gradients_match_scan(kind, shape, names, xspec, inner, schedule):
+def test_value_and_gradients_match_scan(kind, shape, names, xspec, inner, schedule, expected):
     mesh = make_mesh(kind, shape=shape, names=names)
     over = (lambda path, a: P(None, inner) if a.ndim == 2 else P(inner)) if inner else None
     blocks = eqxshard.filter_shard(_blocks(), mesh, eqxshard.stages(inner=over))
@@ -61,8 +69,6 @@ def test_value_and_gradients_match_scan(kind, shape, names, xspec, inner, schedu
     value, (grad_blocks, grad_x) = eqxshard.pipeline_value_and_grad(
         _layer, blocks, x, _mse, targets=_targets(), mesh=mesh, microbatches=4, schedule=schedule
     )
-    loss = lambda blocks, x: _mse(_scan(blocks, x), _targets())  # noqa: E731
-    expected = jax.value_and_grad(loss, argnums=(0, 1))(_blocks(), _x())
     _close((value, (grad_blocks, grad_x)), expected)
     # Gradients come back laid out as their arguments: the stack over the stages, x as x.
     for g, w in zip(jax.tree.leaves(grad_blocks), jax.tree.leaves(blocks), strict=True):
