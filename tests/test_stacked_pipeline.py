@@ -36,6 +36,12 @@ class Block(eqx.Module):
         return h + jax.nn.gelu(h @ self.w1) @ self.w2
 
 
+def make_blocks(key, n):
+    """`n` blocks (at most 16), made 16 at a time and sliced: every layer count shares one
+    compiled initialisation (each new count would compile JAX's random numbers again)."""
+    return jax.tree.map(lambda a: a[:n], eqx.filter_vmap(Block)(jax.random.split(key, 16)))
+
+
 class Model(eqx.Module):
     """Written per example, as Equinox models are: `(T,)` token ids to `(T, D)` outputs."""
 
@@ -45,7 +51,7 @@ class Model(eqx.Module):
     def __init__(self, key, n=8, **pipeline):
         k1, k2 = jax.random.split(key)
         self.embed = jax.random.normal(k1, (16, D))
-        self.blocks = Stacked(eqx.filter_vmap(Block)(jax.random.split(k2, n)), **pipeline)
+        self.blocks = Stacked(make_blocks(k2, n), **pipeline)
 
     def __call__(self, tokens):
         h = self.embed[tokens]  # (T, D): one example
@@ -116,7 +122,7 @@ def test_called_on_a_batch_with_the_batch_split_over_data():
     # Auto axes: under Explicit ones, JAX asks the plain scan's weight gradients (a matmul
     # contracting the batch split over "data") for an `out_sharding`.
     mesh = make_mesh("auto", (4, 2), ("stage", "data"))
-    blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 8))
+    blocks = make_blocks(jax.random.key(0), 8)
     plain = Stacked(blocks, remat="full")
     piped = Stacked(blocks, remat="full", axis="stage", microbatches=4, mesh=mesh)
     x = jax.random.normal(jax.random.key(1), (16, 3, D))  # (batch, T, D)
@@ -158,7 +164,7 @@ def _ops(text, name):
 @pytest.mark.parametrize("ambient", [False, pytest.param(True, marks=pytest.mark.heavy)])
 def test_a_circular_stack_is_stored_stage_major_and_moves_no_weights(ambient):
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
-    blocks = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16))
+    blocks = make_blocks(jax.random.key(0), 16)
     options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2)
     if ambient:
         with jax.set_mesh(mesh):
@@ -198,12 +204,12 @@ def test_a_stage_major_stack_on_another_stage_count_is_refused():
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2)
     with jax.set_mesh(mesh):  # built for 4 stages, called on a mesh of 2
-        stack = Stacked(eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 16)), **options)
+        stack = Stacked(make_blocks(jax.random.key(0), 16), **options)
     with jax.set_mesh(jax.make_mesh((2, 4), ("stage", "data"))):
         with pytest.raises(ValueError, match=r"stage-major for 4 stages.*has 2 along 'stage'"):
             jax.vmap(stack)(jnp.zeros((8, 3, D)))
     options["mesh"] = mesh
-    twelve = eqx.filter_vmap(Block)(jax.random.split(jax.random.key(0), 12))
+    twelve = make_blocks(jax.random.key(0), 12)
     with pytest.raises(ValueError, match=r"cannot store 12 layers stage-major in 4 stages"):
         Stacked(twelve, **options)
 
