@@ -6,7 +6,7 @@ version (`jax.make_mesh` defaults to Explicit axes from jax 0.9, to Auto before)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -26,6 +26,20 @@ else:
 
 SHAPE = (4, 2)
 NAMES = ("data", "model")
+
+# JAX's persistent compilation cache (set up in tests/conftest.py): a child process keeps it.
+CACHE_SETTINGS = ("JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_")
+
+
+def without_jax_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` less its JAX and XLA settings, for a child process that starts from JAX's
+    defaults, but keeping the tests' persistent compilation cache (`CACHE_SETTINGS`)."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k.startswith(CACHE_SETTINGS) or not k.startswith(("JAX_", "XLA_"))
+    }
+
 
 # Axis types per kind, for the ("data", "model") mesh. "mixed": Explicit data, Auto model.
 AXIS_TYPES: dict[str, tuple[AxisType, ...]] = {
