@@ -23,7 +23,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from helpers import without_jax_settings
 
 import eqxshard
 
@@ -52,6 +51,9 @@ def free_port() -> int:
 def child_env(*, cpu: bool = True) -> dict[str, str]:
     """This environment without JAX/XLA settings, importing the eqxshard under test;
     with `cpu`, JAX on CPU only."""
+    # Imported here: the scripts that import this module run where tests/ is not on the path.
+    from helpers import without_jax_settings
+
     env = without_jax_settings(os.environ)
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
