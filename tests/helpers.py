@@ -267,3 +267,20 @@ def candidate_row(name: str, total: int | None, fits: bool, **fields: Any) -> eq
         reason="",
     )
     return eqxshard.Candidate(**{**row, **fields})
+
+
+def numpy_filled(make: Callable[[jax.Array], Any], key: jax.Array, scale: float = 0.1) -> Any:
+    """The model `make(key)` builds, its floating-point arrays drawn with NumPy (normal,
+    times `scale`) instead: only `make`'s shapes are traced, so none of its eager
+    initialisers (op by op, each compiled on first use) runs. For tests whose claim holds
+    for any weights."""
+    rng = np.random.default_rng(0)
+
+    def fill(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(f"numpy_filled fills floating-point arrays only, got {leaf.dtype}")
+        return jnp.asarray((scale * rng.normal(size=leaf.shape)).astype(leaf.dtype))
+
+    return jax.tree.map(fill, eqx.filter_eval_shape(make, key))
