@@ -1,5 +1,6 @@
 """Every test runs with 8 CPU devices; warnings are errors (see pyproject.toml)."""
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -9,6 +10,30 @@ import pytest
 # Before JAX initialises its backends: 8 CPU devices on this one machine.
 jax.config.update("jax_num_cpu_devices", 8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# JAX's persistent compilation cache, for these processes and those the tests start
+# (examples, notebooks, docs pages, multi-process runs: they inherit the variables): a
+# program compiled once is loaded, not compiled again, by the next test or process that
+# builds it, in this run or a later one. `JAX_COMPILATION_CACHE_DIR=` (empty) turns it
+# off. Entries are keyed by the program and the JAX version, so one folder serves every
+# venv. Its size is bounded (least recently used entries go) where `filelock` is installed
+# (the test extra has it); it also keeps processes that write the same entry apart.
+CACHE_DIR = os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
+)
+if CACHE_DIR:
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    if importlib.util.find_spec("filelock") is not None:
+        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
+    jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+    )
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
+        jax.config.update(
+            "jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"])
+        )
 
 
 def pytest_report_header(config):

@@ -6,7 +6,7 @@ version (`jax.make_mesh` defaults to Explicit axes from jax 0.9, to Auto before)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
@@ -26,6 +26,20 @@ else:
 
 SHAPE = (4, 2)
 NAMES = ("data", "model")
+
+# JAX's persistent compilation cache (set up in tests/conftest.py): a child process keeps it.
+CACHE_SETTINGS = ("JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_")
+
+
+def without_jax_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` less its JAX and XLA settings, for a child process that starts from JAX's
+    defaults, but keeping the tests' persistent compilation cache (`CACHE_SETTINGS`)."""
+    return {
+        k: v
+        for k, v in environ.items()
+        if k.startswith(CACHE_SETTINGS) or not k.startswith(("JAX_", "XLA_"))
+    }
+
 
 # Axis types per kind, for the ("data", "model") mesh. "mixed": Explicit data, Auto model.
 AXIS_TYPES: dict[str, tuple[AxisType, ...]] = {
@@ -253,3 +267,20 @@ def candidate_row(name: str, total: int | None, fits: bool, **fields: Any) -> eq
         reason="",
     )
     return eqxshard.Candidate(**{**row, **fields})
+
+
+def numpy_filled(make: Callable[[jax.Array], Any], key: jax.Array, scale: float = 0.1) -> Any:
+    """The model `make(key)` builds, its floating-point arrays drawn with NumPy (normal,
+    times `scale`) instead: only `make`'s shapes are traced, so none of its eager
+    initialisers (op by op, each compiled on first use) runs. For tests whose claim holds
+    for any weights."""
+    rng = np.random.default_rng(0)
+
+    def fill(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(f"numpy_filled fills floating-point arrays only, got {leaf.dtype}")
+        return jnp.asarray((scale * rng.normal(size=leaf.shape)).astype(leaf.dtype))
+
+    return jax.tree.map(fill, eqx.filter_eval_shape(make, key))

@@ -4,6 +4,7 @@ by a size-1 axis compile once, candidates that differ only in their batch are dr
 through two compiles unless they come near the budget or the fastest step, and a tiny
 step's times read in nanoseconds."""
 
+import contextlib
 import re
 from typing import Any
 
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
 from eqxshard._plans.auto import batch_proxies, compile_remote, jobs as jobs_module
+from eqxshard._plans.auto.cache import CACHE
 from eqxshard._plans.auto.collectives import Collective
 from eqxshard._plans.auto.measure import Measurement
 from eqxshard._plans.auto.view import seconds_str
@@ -53,18 +55,17 @@ def test_rejection_by_arithmetic_counts_what_the_step_keeps():
     step, model, batch = make_step(), deep_mlp(), concrete_batch(16)
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     options: dict[str, Any] = dict(devices=8, optimizer=OPTIMIZER, progress=False)
-    roomy = eqxshard.auto_plan(step, model, shapes, budget="100MiB", **options)
-    row = next(c for c in roomy.table if c.mesh_shape == {"fsdp": 8})
-    # The test's own compile of FSDP over 8 devices: its bytes per device are the budget.
+    # The test's own compile of FSDP over 8 devices (auto_plan's FSDP rule): its bytes per
+    # device are the budget.
     mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    budget = own_compile(step, model, mesh, row.rules, batch, P("fsdp"))
+    budget = own_compile(step, model, mesh, eqxshard.fsdp("fsdp"), batch, P("fsdp"))
+    plan = eqxshard.auto_plan(step, model, shapes, budget=budget, **options)
+    row = plan.chosen
+    assert row.mesh_shape == {"fsdp": 8} and repr(row.rules) == repr(eqxshard.fsdp("fsdp"))
     assert abs(budget - (row.total_bytes or 0)) <= 0.01 * budget
+    assert (row.total_bytes or budget + 1) <= budget
     every_gradient = 2 * row.bytes["parameters"] + row.bytes["optimizer state"]
     assert every_gradient + row.bytes["batch"] > budget  # counting them all rejected it
-    plan = eqxshard.auto_plan(step, model, shapes, budget=budget, **options)
-    assert (
-        plan.chosen.mesh_shape == {"fsdp": 8} and (plan.chosen.total_bytes or budget + 1) <= budget
-    )
     # What arithmetic still rejects does not fit by a compile either.
     replicated = next(c for c in plan.table if c.mesh_shape == {"data": 8})
     assert replicated.measured_on == "not compiled"
@@ -115,19 +116,59 @@ def _by_mesh(plan):
     return {(c.name, tuple(c.mesh_shape.items())): c for c in plan.table}
 
 
-def test_batches_drawn_through_two_compiles_agree_with_compiles(monkeypatch):
+def wide_mlp():
+    return eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
+
+
+SHAPES = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
+
+
+@contextlib.contextmanager
+def cache_kept():
+    """`auto_plan`'s compiles and drawn figures as they were before, after the block: a
+    search inside it leaves the shared search's drawn rows drawn for the other tests."""
+    compiled, drawn = dict(CACHE), dict(batch_proxies.ESTIMATES)
+    try:
+        yield
+    finally:
+        CACHE.clear()
+        CACHE.update(compiled)
+        batch_proxies.ESTIMATES.clear()
+        batch_proxies.ESTIMATES.update(drawn)
+
+
+@pytest.fixture(scope="module")
+def drawn_search():
+    """One search (its step new: its own cache entries) whose candidates that differ only
+    in their batch are drawn through two compiles, with what it compiled (the mesh axes
+    over 1 and the batch's shapes) and the jobs it gave keys; the tests below that search
+    again with the same step do so inside `cache_kept`, so it is compiled once for all."""
     step = make_step()
-    model = eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
-    shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
+    compiled, work = [], []
+    original, assign = jobs_module.compile_here, jobs_module.assign_keys
+
+    def record(problem, placed, shape):
+        batch = tuple(x.shape for x in jax.tree.leaves(placed.args[2]))
+        compiled.append((tuple((a, s) for a, s in shape.items() if s > 1), batch))
+        return original(problem, placed, shape)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(jobs_module, "compile_here", record)
+        patch.setattr(jobs_module, "assign_keys", lambda k, j, n: work.extend(j) or assign(k, j, n))
+        patch.setattr(batch_proxies, "assign_keys", jobs_module.assign_keys)
+        plan = _run(step, wide_mlp(), SHAPES, budget="64MiB")
+    drawn = [c for c in plan.table if "drawn through compiles" in c.measured_on]
+    return step, plan, drawn, compiled, work
+
+
+def test_batches_drawn_through_two_compiles_agree_with_compiles(drawn_search, monkeypatch):
+    step, drawn_plan, drawn, _, _ = drawn_search
+    assert drawn and all(c.estimated for c in drawn)
     compiles = []
     original = jobs_module.compile_here
     monkeypatch.setattr(
         jobs_module, "compile_here", lambda *a: compiles.append(a[2]) or original(*a)
     )
-    drawn_plan = _run(step, model, shapes, budget="64MiB")
-    drawn = [c for c in drawn_plan.table if "drawn through compiles" in c.measured_on]
-    assert drawn and all(c.estimated for c in drawn)
-    first = len(compiles)
     # Every candidate compiled instead: the same choice, and each drawn row near its compile.
     monkeypatch.setattr(
         batch_proxies,
@@ -136,8 +177,9 @@ def test_batches_drawn_through_two_compiles_agree_with_compiles(monkeypatch):
             problem, key, work, local, progress
         ),
     )
-    full = _by_mesh(_run(step, model, shapes, budget="64MiB"))
-    assert len(compiles) > first  # the drawn ones, compiled now
+    with cache_kept():
+        full = _by_mesh(_run(step, wide_mlp(), SHAPES, budget="64MiB"))
+    assert compiles  # the drawn ones, compiled now
     assert (drawn_plan.chosen.name, drawn_plan.chosen.mesh_shape) == (
         full[(drawn_plan.chosen.name, tuple(drawn_plan.chosen.mesh_shape.items()))].name,
         drawn_plan.chosen.mesh_shape,
@@ -155,41 +197,20 @@ def test_batches_drawn_through_two_compiles_agree_with_compiles(monkeypatch):
         assert abs(c.time - compiled.time) <= 0.05 * compiled.time
 
 
-def test_an_estimate_near_the_budget_is_compiled():
-    step = make_step()
-    model = eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
-    shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
-    drawn = [
-        c
-        for c in _run(step, model, shapes, budget="64MiB").table
-        if "drawn through compiles" in c.measured_on
-    ]
+def test_an_estimate_near_the_budget_is_compiled(drawn_search):
+    step, _, drawn, _, _ = drawn_search
     target = max(drawn, key=lambda c: c.total_bytes or 0)
     assert target.total_bytes
-    near = _by_mesh(_run(step, model, shapes, budget=int(target.total_bytes * 1.05)))
-    again = near[(target.name, tuple(target.mesh_shape.items()))]
+    key = (target.name, tuple(target.mesh_shape.items()))
+    with cache_kept():
+        near = _by_mesh(_run(step, wide_mlp(), SHAPES, budget=int(target.total_bytes * 1.05)))
+    again = near[key]
     assert "drawn" not in again.measured_on and "compiled here" in again.measured_on
 
 
-def test_a_size_one_axis_compiles_once(monkeypatch):
-    step = make_step()
-    model = eqx.nn.MLP(128, 128, 256, 1, key=jax.random.key(0))
-    shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
-    compiled, work = [], []
-    original, assign = jobs_module.compile_here, jobs_module.assign_keys
-
-    def record(problem, placed, shape):
-        batch = tuple(x.shape for x in jax.tree.leaves(placed.args[2]))
-        compiled.append((tuple((a, s) for a, s in shape.items() if s > 1), batch))
-        return original(problem, placed, shape)
-
-    monkeypatch.setattr(jobs_module, "compile_here", record)
-    monkeypatch.setattr(
-        jobs_module, "assign_keys", lambda k, j, n: work.extend(j) or assign(k, j, n)
-    )
-    monkeypatch.setattr(batch_proxies, "assign_keys", jobs_module.assign_keys)
-    _run(step, model, shapes, budget="64MiB")
-    assert len(compiled) == len(set(compiled))
+def test_a_size_one_axis_compiles_once(drawn_search):
+    _, _, _, compiled, work = drawn_search
+    assert compiled and len(compiled) == len(set(compiled))
     with_one = [j for j in work if j.compile_shape and 1 in j.compile_shape.values()]
     shared = [
         j

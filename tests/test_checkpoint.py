@@ -27,6 +27,7 @@ from helpers import (
     make_model,
     named,
     tree_data,
+    without_jax_settings,
 )
 from jax.sharding import PartitionSpec as P, SingleDeviceSharding
 
@@ -333,7 +334,7 @@ def test_async_handle_repr(tmp_path: Path) -> None:
 
 def _run_script(code: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`code` in a fresh Python (8 CPU devices), bounded by `timeout` s (a hang fails)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env = without_jax_settings(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(eqxshard.__file__).resolve().parents[1]), env.get("PYTHONPATH")])

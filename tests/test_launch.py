@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import without_jax_settings
 
 import eqxshard
 from eqxshard._processes import (
@@ -37,7 +38,7 @@ def hang_s() -> float:
 
 def child_env() -> dict[str, str]:
     """This environment without JAX/XLA settings, importing the eqxshard under test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env = without_jax_settings(os.environ)
     root = str(Path(eqxshard.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env

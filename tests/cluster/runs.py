@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import without_jax_settings
 from nodes import Cluster
 
 import eqxshard
@@ -24,7 +25,7 @@ HANG_S = 240
 
 def child_env() -> dict[str, str]:
     """This environment without JAX/XLA settings, importing the eqxshard under test."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    env = without_jax_settings(os.environ)
     root = str(Path(eqxshard.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env

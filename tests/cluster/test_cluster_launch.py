@@ -21,9 +21,10 @@ HELLO = """\
 import os, socket, sys
 names = ("EQXSHARD_", "JAX_")
 # (The stand-in for ssh passes the launcher's environment on: the test suite's own
-# EQXSHARD_TEST_* settings are not the run's variables.)
+# EQXSHARD_TEST_* settings and its compilation cache are not the run's variables.)
+ours = ("EQXSHARD_TEST_", "JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_")
 print("hello", socket.gethostname(), sorted((k, v) for k, v in os.environ.items()
-      if k.startswith(names) and not k.startswith("EQXSHARD_TEST_")), sys.argv[1:],
+      if k.startswith(names) and not k.startswith(ours)), sys.argv[1:],
       sys.executable, __file__, flush=True)
 if len(sys.argv) > 2 and os.environ["EQXSHARD_PROCESS_ID"] == sys.argv[2]:
     import time

