@@ -5,8 +5,6 @@ step's jaxpr, the fewest that cover the excess compiled once more)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import equinox as eqx
 import jax
 import numpy as np
@@ -157,21 +155,27 @@ def test_a_chosen_remat_row_says_what_it_spares_once():
     assert table[1].reason.endswith("remat dots on `blocks`: without it 2.0 MiB over")
 
 
-@pytest.mark.heavy
-def test_auto_plan_rematerialises_only_the_wide_stack():
+def _search(host: eqxshard.Link) -> eqxshard.Plan:
+    """`auto_plan` of the two stacks on 2 devices in 4 MiB, compute dominating the step (a
+    slow device, so remat's recomputed flops count), host memory over `host`."""
     model = sd.make_two(jax.random.key(0))
-    # Compute dominates the step (a slow device), so remat's recomputed flops count; and
-    # host memory is far (a slow `host` link), so offloading does not pay.
-    far = eqxshard.Link(bandwidth=1e7, latency=1e-3)
-    options: dict[str, Any] = dict(
+    return eqxshard.auto_plan(
+        sd.step,
+        model,
+        sd.shapes(BATCH, TOKENS),
         devices=2,
         budget="4MiB",
         optimizer=sd.OPTIMIZER,
         progress=False,
         flops_per_second=1e9,
-        links={"host": far},
+        links={"host": host},
     )
-    plan = eqxshard.auto_plan(sd.step, model, sd.shapes(BATCH, TOKENS), **options)
+
+
+@pytest.mark.heavy
+def test_auto_plan_rematerialises_only_the_wide_stack():
+    # Host memory is far (a slow `host` link), so offloading does not pay.
+    plan = _search(eqxshard.Link(bandwidth=1e7, latency=1e-3))
     assert plan.remat == {"wide": "full", "narrow": "none"} and plan.pipeline is None
     chosen = plan.chosen
     assert chosen.remat == plan.remat and chosen.name.endswith("+ remat full on wide")
@@ -211,19 +215,7 @@ def test_a_fast_host_link_chooses_offload_whose_plan_holds_its_row():
     # Compute is slow and host memory near: keeping the matmul outputs in host memory
     # beats recomputing them ("full"), and fits where keeping them on the device ("dots")
     # does not.
-    near = eqxshard.Link(bandwidth=1e12, latency=1e-7)
-    model = sd.make_two(jax.random.key(0))
-    plan = eqxshard.auto_plan(
-        sd.step,
-        model,
-        sd.shapes(BATCH, TOKENS),
-        devices=2,
-        budget="4MiB",
-        optimizer=sd.OPTIMIZER,
-        progress=False,
-        flops_per_second=1e9,
-        links={"host": near},
-    )
+    plan = _search(eqxshard.Link(bandwidth=1e12, latency=1e-7))
     assert set(plan.chosen.remat.values()) == {"offload"} and plan.offload == ()
     chosen = plan.chosen
     # The saved matmul outputs (the wide and narrow hidden pre-tanh of every layer) are in
