@@ -17,6 +17,7 @@ LAYERS = {
     "_compat": 0,
     "_tree": 0,
     "_version": 0,
+    "_caches": 0,
     "_placement": 1,
     "_mapping": 2,
     "_shard_map": 2,
