@@ -38,6 +38,27 @@ def test_message_split_over_two_lines():
 def test_first_message_split_is_still_reported():
     out = run([MSG[:20] + b"\n", MSG[20:] + b"\n", b"ok\n"])
     assert out == [
-        b"[Gloo] connected to peer ranks (further [Gloo] connection lines hidden)\n",
+        MSG + b" (further [Gloo] connection lines hidden)\n",
         b"ok\n",
     ]
+
+
+def test_a_message_cut_at_any_byte_leaves_no_fragment():
+    # The launcher showed `[1] [Gloo] Rank ` when a message was cut right after "Rank ".
+    for cut in range(1, len(MSG)):
+        out = run([MSG + b"\n", b"step " + MSG[:cut] + b"\n", MSG[cut:] + b" loss 1\n"])
+        assert out[1:] == [b"step \n", b" loss 1\n"], cut
+
+
+def test_a_message_cut_over_three_lines_is_dropped():
+    out = run([MSG + b"\n", MSG[:14] + b"\n", MSG[14:40] + b"\n", MSG[40:] + b"\n", b"ok\n"])
+    assert out[1:] == [b"ok\n"]
+
+
+def test_a_line_ending_like_a_message_loses_nothing():
+    # `[...` at a line's end that the next line does not complete is the script's own.
+    lines = [b"see [Gl\n", b"oves]\n", b"list [\n", b"1]\n", b"last [Gloo] Rank 1"]
+    assert run(lines) == lines[:-1]  # the last is held until the next line says what it is
+    chatter = GlooChatter()
+    assert chatter.filter(lines[-1]) == []
+    assert chatter.flush() == [lines[-1]]  # the output ended: forwarded as it was

@@ -132,6 +132,10 @@ def _forward(
                 for kept in chatter.filter(line):
                     out.write(prefix + kept)
                 out.flush()
+        with lock:
+            for kept in chatter.flush():
+                out.write(prefix + kept)
+            out.flush()
 
 
 def run_attempt(
