@@ -18,7 +18,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from tiny_stack import D, N, blocks as _blocks, layer as _layer
 
 import eqxshard
-from eqxshard._pipeline import mpmd, ticks
+from eqxshard._pipeline.mpmd import programs, ticks
 
 
 def _x(batch=16, seed=2):
@@ -176,7 +176,7 @@ def test_residuals_held_per_stage_are_bounded_by_the_stages_not_the_microbatches
 def test_residuals_are_activations_not_copies_of_the_weights():
     weights, static = eqx.partition(_blocks(2), eqx.is_array)
     h = _x(6)
-    out, kept, how = mpmd._forward(_layer, static, "none", weights, h)
+    out, kept, how = programs.forward(_layer, static, "none", weights, h)
     _close(out, _scan(weights, h))
     # `jax.vjp` keeps the weights for the backward; the forward hands them back as indices
     # (the backward is given the weights again), so what the driver holds per microbatch
