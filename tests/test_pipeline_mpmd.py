@@ -18,6 +18,7 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from tiny_stack import D, N, blocks as _blocks, layer as _layer
 
 import eqxshard
+from eqxshard._pipeline.bubble import bubble_fraction
 from eqxshard._pipeline.mpmd import programs, ticks
 
 
@@ -202,6 +203,15 @@ def test_ticks_run_every_item_once_after_its_inputs(S, M, schedule):
     assert len(done) == 2 * S * M
     expected = [min(S - s, M) for s in range(S)] if schedule == "1f1b" else [M] * S
     assert ticks.held(schedule, S, M) == expected
+
+
+@pytest.mark.parametrize(("S", "M"), [(1, 1), (2, 2), (4, 4), (4, 9), (3, 5), (8, 3)])
+@pytest.mark.parametrize("schedule", ticks.SCHEDULES)
+def test_each_stage_idles_the_bubble_fraction_of_the_ticks(S, M, schedule):
+    # A stage works 2M of the ticks (a forward and a backward per microbatch), and idles
+    # the rest: the bubble `filter_pipeline`'s checks and `auto_plan` reckon with.
+    idle = 1 - 2 * M / len(ticks.ticks(schedule, S, M))
+    assert idle == pytest.approx(bubble_fraction(S, M))
 
 
 # ---- errors ------------------------------------------------------------------------------

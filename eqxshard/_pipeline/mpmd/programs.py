@@ -3,11 +3,11 @@ its backward.
 
 The forward is `jax.vjp` of the stage's layers (the last stage's with the loss): it returns
 the output and the residuals the backward needs, less the stage's weights, which the
-backward is given again (kept, the residuals would copy them once per microbatch). The
-backward takes the residuals, the weights, the cotangent of the output and the stage's
-running weight gradient. Each is an `eqx.filter_jit`, so it compiles once per stage (its
-sub-mesh, its piece of the stack) and is cached across calls, keyed by `layer`, `loss`, the
-stack's non-array part and the remat policy, as `eqx.filter_jit` users expect.
+backward is given again (kept among the residuals, they would be held once per
+microbatch). The backward takes the residuals, the weights, the cotangent of the output and
+the stage's running weight gradient. Each is an `eqx.filter_jit`, so it compiles once per
+stage (its sub-mesh, its piece of the stack) and is cached across calls, keyed by `layer`,
+`loss`, the stack's non-array part and the remat policy, as `eqx.filter_jit` users expect.
 """
 
 from __future__ import annotations
