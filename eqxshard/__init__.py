@@ -14,9 +14,9 @@ from ._mapping.jacobian import (
 )
 from ._mapping.map import filter_map as filter_map
 from ._mapping.stream import filter_stream as filter_stream
-from ._pipeline.pipeline import filter_pipeline as filter_pipeline
-from ._pipeline.stacked import Stacked as Stacked
-from ._pipeline.value_and_grad import pipeline_value_and_grad as pipeline_value_and_grad
+from ._pipeline.mpmd.value_and_grad import pipeline_value_and_grad as pipeline_value_and_grad
+from ._pipeline.spmd.pipeline import filter_pipeline as filter_pipeline
+from ._pipeline.stacked.stacked import Stacked as Stacked
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard

@@ -18,8 +18,8 @@ from tiny_stack import D, N, blocks as _blocks, layer as _layer
 
 import eqxshard
 from eqxshard import _compat
-from eqxshard._pipeline.order import from_stage_major, to_stage_major
-from eqxshard._pipeline.pipeline import run_pipeline
+from eqxshard._pipeline.spmd.pipeline import run_pipeline
+from eqxshard._pipeline.spmd.stage_major import from_stage_major, to_stage_major
 
 
 def _x(batch=16):

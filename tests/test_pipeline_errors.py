@@ -10,7 +10,8 @@ from helpers import make_mesh
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard._pipeline import remat as remat_module
+from eqxshard import _compat
+from eqxshard._pipeline import remat
 
 
 def _layer(block, h):
@@ -123,13 +124,13 @@ def test_unknown_remat_policy(mesh):
 
 
 def test_offload_without_host_memory(mesh, monkeypatch):
-    monkeypatch.setattr(remat_module, "memory_kinds", lambda device: {"device"})
-    monkeypatch.setattr(remat_module._compat, "memory_kinds_in_jit", lambda: True)
+    monkeypatch.setattr(remat, "memory_kinds", lambda device: {"device"})
+    monkeypatch.setattr(_compat, "memory_kinds_in_jit", lambda: True)
     with pytest.raises(ValueError, match=r"remat='offload'.* only the memories \['device'\]"):
         _run(mesh, remat="offload")
 
 
 def test_offload_where_jax_cannot_move_memory_kinds_in_jit(mesh, monkeypatch):
-    monkeypatch.setattr(remat_module._compat, "memory_kinds_in_jit", lambda: False)
+    monkeypatch.setattr(_compat, "memory_kinds_in_jit", lambda: False)
     with pytest.raises(ValueError, match=r"remat='offload'.* jax 0.8 and newer can"):
         _run(mesh, remat="offload")

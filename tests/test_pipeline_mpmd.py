@@ -18,7 +18,8 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 from tiny_stack import D, N, blocks as _blocks, layer as _layer
 
 import eqxshard
-from eqxshard._pipeline import mpmd, ticks
+from eqxshard._pipeline.bubble import bubble_fraction
+from eqxshard._pipeline.mpmd import programs, ticks
 
 
 def _x(batch=16, seed=2):
@@ -176,7 +177,7 @@ def test_residuals_held_per_stage_are_bounded_by_the_stages_not_the_microbatches
 def test_residuals_are_activations_not_copies_of_the_weights():
     weights, static = eqx.partition(_blocks(2), eqx.is_array)
     h = _x(6)
-    out, kept, how = mpmd._forward(_layer, static, "none", weights, h)
+    out, kept, how = programs.forward(_layer, static, "none", weights, h)
     _close(out, _scan(weights, h))
     # `jax.vjp` keeps the weights for the backward; the forward hands them back as indices
     # (the backward is given the weights again), so what the driver holds per microbatch
@@ -202,6 +203,15 @@ def test_ticks_run_every_item_once_after_its_inputs(S, M, schedule):
     assert len(done) == 2 * S * M
     expected = [min(S - s, M) for s in range(S)] if schedule == "1f1b" else [M] * S
     assert ticks.held(schedule, S, M) == expected
+
+
+@pytest.mark.parametrize(("S", "M"), [(1, 1), (2, 2), (4, 4), (4, 9), (3, 5), (8, 3)])
+@pytest.mark.parametrize("schedule", ticks.SCHEDULES)
+def test_each_stage_idles_the_bubble_fraction_of_the_ticks(S, M, schedule):
+    # A stage works 2M of the ticks (a forward and a backward per microbatch), and idles
+    # the rest: the bubble `filter_pipeline`'s checks and `auto_plan` reckon with.
+    idle = 1 - 2 * M / len(ticks.ticks(schedule, S, M))
+    assert idle == pytest.approx(bubble_fraction(S, M))
 
 
 # ---- errors ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
 from eqxshard import Stacked
-from eqxshard._pipeline.batching import batched_call, batching_of
+from eqxshard._pipeline.stacked.batching import batched_call, batching_of
 
 D = 8
 CALLS = [0]  # how many times a Block was traced or called in Python

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from eqxshard import Stacked
-from eqxshard._pipeline.keys import takes_key
+from eqxshard._pipeline.stacked.keys import takes_key
 
 D = 8
 N = 8

@@ -254,7 +254,7 @@ def test_a_stack_saved_in_another_order_is_refused_not_reordered(tmp_path):
 
 
 def test_a_plan_reconfigures_a_stage_major_stack_from_its_layers():
-    from eqxshard._pipeline.configure import configure, configure_like
+    from eqxshard._pipeline.stacked.configure import configure, configure_like
 
     mesh = jax.make_mesh((4, 2), ("stage", "data"))
     options: dict[str, Any] = dict(axis="stage", microbatches=4, repeats=2, mesh=mesh)

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import eqxshard
 from eqxshard import Stacked
-from eqxshard._pipeline.configure import configure
+from eqxshard._pipeline.stacked.configure import configure
 
 D = 8
 N = 8

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eqxshard import Stacked
-from eqxshard._pipeline.batching import batching_of
+from eqxshard._pipeline.stacked.batching import batching_of
 
 D = 8
 

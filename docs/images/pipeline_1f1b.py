@@ -2,8 +2,8 @@
 which microbatch at each tick of `eqxshard.pipeline_value_and_grad`, in its GPipe and 1F1B
 orders, and how many microbatches' residuals each stage holds at most.
 
-The cells are the driver's own ticks (`eqxshard/_pipeline/ticks.py`): each stage runs its
-own list (1F1B: `S-s-1` forwards, then a forward and a backward in turn, then the
+The cells are the driver's own ticks (`eqxshard/_pipeline/mpmd/ticks.py`): each stage
+runs its own order (1F1B: `S-s-1` forwards, then a forward and a backward in turn, then the
 backwards left), each item as soon as its input came in an earlier tick.
 
     python docs/images/pipeline_1f1b.py [OUTPUT.svg]
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from schedule_chart import cell, colours, figure, frame, main, save
 
-from eqxshard._pipeline.ticks import held, ticks
+from eqxshard._pipeline.mpmd.ticks import held, ticks
 
 
 def draw(out: Path, stages: int = 4, microbatches: int = 8) -> int:

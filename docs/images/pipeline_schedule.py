@@ -1,7 +1,7 @@
 """Draws docs/images/pipeline_schedule.svg: which stage runs which microbatch at each tick of
 a pipeline's loop, for the GPipe and the circular schedule.
 
-The cells come from the rule the loop follows (eqxshard/_pipeline/schedule.py): at tick `t`
+The cells come from the rule the loop follows (eqxshard/_pipeline/spmd/schedule.py): at tick `t`
 stage `s` works on item `k = t - s`, that is microbatch `k % M` on its pass `k // M`
 through the stages, and idles (the bubble) where `k` is outside `0 .. M*R - 1`.
 

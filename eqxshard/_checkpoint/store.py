@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._pipeline.stacked import Stacked
+from .._pipeline.stacked.stacked import Stacked
 from .._plans.rules import dotted_path
 from .._tree import Flat, leaf_error, pathstr
 from .async_save import (

@@ -1,4 +1,6 @@
-"""`filter_pipeline`'s checks of its arguments, each a clear error before anything runs."""
+"""The argument checks `filter_pipeline` and `pipeline_value_and_grad` share (the mesh and
+its stage axis, `layer`, the counts, the stack, the batch), each a clear error before
+anything runs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from .. import _compat
 from .._shard_map.axes import given_mesh
 from .._tree import Flat, leaf_error, pathstr, shape_str
+from .bubble import bubble_fraction
 
 
 def get_mesh(verb: str, mesh: Any, axis: Any) -> Mesh | AbstractMesh:
@@ -32,7 +35,7 @@ def check_counts(verb: str, microbatches: Any, repeats: Any, stages: int) -> Non
         if value < 1:
             raise ValueError(f"`{verb}({name}=...)` must be at least 1, but got {value}.")
     if microbatches < stages:
-        bubble = (stages - 1) / (microbatches * repeats + stages - 1)
+        bubble = bubble_fraction(stages, microbatches, repeats)
         raise ValueError(
             f"`{verb}` got microbatches={microbatches}, fewer than the {stages} stages: each "
             f"stage would idle {bubble:.0%} of the time (bubble (S-1)/(M*R+S-1)), and the "
@@ -41,9 +44,9 @@ def check_counts(verb: str, microbatches: Any, repeats: Any, stages: int) -> Non
         )
 
 
-def layer_count(verb: str, blocks: Any, stages: int, repeats: int) -> int:
-    """The leading (layer) dim `n` every array leaf of `blocks` shares; divisible by
-    stages x repeats."""
+def check_blocks(verb: str, blocks: Any, stages: int, repeats: int) -> None:
+    """`blocks`: array leaves that share a leading (layer) dim `n`, divisible by stages x
+    repeats."""
     flat = Flat(blocks)
     indices = flat.array_indices
     if not indices:
@@ -76,7 +79,6 @@ def layer_count(verb: str, blocks: Any, stages: int, repeats: int) -> int:
             f"stages x {repeats} repeats = {stages * repeats} equal chunks. Use a layer count "
             f"divisible by {stages * repeats}, or change `repeats` or the size of the stage axis."
         )
-    return n
 
 
 def _batch_axes(leaf: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, ...]:
@@ -92,7 +94,7 @@ def _batch_axes(leaf: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, .
     return tuple(a for a in names if a != axis and a in mesh.axis_names)
 
 
-def _arrays(verb: str, name: str, tree: Any, expected: str, fix: str) -> Flat:
+def array_leaves(verb: str, name: str, tree: Any, expected: str, fix: str) -> Flat:
     """`tree` (the argument `name`) flattened, after a `TypeError` naming each of its
     non-array leaves, or saying it has none."""
     flat = Flat(tree)
@@ -116,7 +118,7 @@ def batch_size(
     """The leading (batch) dim every leaf of `x` shares, and the mesh axes it is split over
     (those of the leaf split over the most); the size is divisible by `microbatches` times
     the data-parallel parts."""
-    flat = _arrays(
+    flat = array_leaves(
         verb,
         "x",
         x,
@@ -156,112 +158,4 @@ def check_layer(verb: str, layer: Any) -> None:
         raise TypeError(
             f"`{verb}` needs `layer` to be a callable `layer(block, h) -> h`, but got "
             f"{type(layer).__name__}."
-        )
-
-
-def check_stacked(axis: Any, microbatches: Any, repeats: Any, mesh: Any) -> None:
-    """`Stacked`'s pipeline configuration: all or nothing, of the right types."""
-    if axis is None:
-        given = [n for n, v in (("microbatches", microbatches), ("mesh", mesh)) if v is not None]
-        if given or repeats != 1:
-            names = ", ".join(f"`{n}`" for n in given + (["repeats"] if repeats != 1 else []))
-            raise ValueError(
-                f"`Stacked` got {names} without `axis`; they configure the pipeline, which "
-                'runs only over a mesh axis. Pass `axis="stage"` (the mesh axis to pipeline '
-                "over) as well, or leave them out for the plain scan."
-            )
-        return
-    if not isinstance(axis, str):
-        raise TypeError(f"`Stacked` got `axis={axis!r}`; expected a mesh axis name (a str).")
-    for name, value in (("microbatches", microbatches), ("repeats", repeats)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise TypeError(
-                f"`Stacked` got `{name}={value!r}` with `axis={axis!r}`; expected a "
-                f"positive int. A pipeline cuts each batch into `microbatches` pieces "
-                f"(at least the number of stages keeps the bubble small)."
-            )
-    if mesh is not None and not isinstance(mesh, Mesh | AbstractMesh):
-        raise TypeError(
-            f"`Stacked` got `mesh` of type {type(mesh).__name__}; expected a "
-            "`jax.sharding.Mesh` (or `None`, for the mesh set by `jax.set_mesh`)."
-        )
-
-
-def check_mpmd(
-    verb: str, loss: Any, schedule: Any, schedules: tuple[str, ...], mesh: Any, on_tick: Any
-) -> None:
-    """The MPMD pipeline's own arguments: `loss` (and `on_tick`) callable, a known
-    `schedule`, and a mesh with devices (each stage's program runs on its own devices)."""
-    if not callable(loss):
-        raise TypeError(
-            f"`{verb}` needs `loss` to be a callable `loss(y) -> scalar` (or `loss(y, t)` "
-            f"with `targets`), but got {type(loss).__name__}."
-        )
-    if on_tick is not None and not callable(on_tick):
-        raise TypeError(
-            f"`{verb}(on_tick=...)` takes `None` or a callable `on_tick(held, held_bytes)`, "
-            f"but got {type(on_tick).__name__}."
-        )
-    if schedule not in schedules:
-        raise ValueError(
-            f"`{verb}(schedule=...)` takes one of {', '.join(repr(s) for s in schedules)}, but "
-            f"got {schedule!r}."
-        )
-    if not isinstance(mesh, Mesh):
-        raise ValueError(
-            f"`{verb}` runs each stage on its own devices, so it needs a `jax.sharding.Mesh` "
-            f"with devices, but got a {type(mesh).__name__}. Pass `mesh=` a concrete mesh "
-            "(`jax.make_mesh(...)`), or set one with `jax.set_mesh`."
-        )
-
-
-def check_concrete(verb: str, **trees: Any) -> None:
-    """No traced leaves: each stage is its own program, run from Python, outside `jit`."""
-    rows = []
-    for name, tree in trees.items():
-        flat = Flat(tree)
-        rows += [
-            (f"{name}{pathstr(flat.paths[i])}", type(flat.leaves[i]).__name__)
-            for i in flat.array_indices
-            if _compat.is_tracer(flat.leaves[i])
-        ]
-    if rows:
-        raise ValueError(
-            leaf_error(
-                f"`{verb}` runs each stage as its own compiled program and moves data between "
-                "them from Python, so it cannot run inside `jit`, `grad` or `vmap`; got "
-                "these traced leaves:",
-                rows,
-                "Call it outside any transformation: it returns the value and the gradients "
-                "itself (apply the optimiser to them in a `jit` of its own).",
-            )
-        )
-
-
-def check_targets(verb: str, targets: Any, batch: int) -> None:
-    """`targets` (if given): arrays with the batch of `x` as their leading dim."""
-    if targets is None:
-        return
-    flat = _arrays(
-        verb,
-        "targets",
-        targets,
-        "cut into microbatches as `x` is",
-        "Pass arrays, or `targets=None` and a `loss(y)` that needs none (other values can "
-        "reach `loss` by closure).",
-    )
-    arrays = set(flat.array_indices)
-    rows = [
-        (pathstr(flat.paths[i]), f"shape {shape_str(flat.leaves[i].shape)}")
-        for i in sorted(arrays)
-        if not flat.leaves[i].ndim or flat.leaves[i].shape[0] != batch
-    ]
-    if rows:
-        raise ValueError(
-            leaf_error(
-                f"`{verb}` needs the leaves of `targets` to have the batch of `x` ({batch}) as "
-                "their leading dim; these do not:",
-                rows,
-                "Pass one target row per row of `x`.",
-            )
         )

@@ -11,8 +11,8 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
 
 from .. import _compat
-from .._pipeline.order import to_stage_major
-from .._pipeline.stacked import Stacked
+from .._pipeline.spmd.stage_major import to_stage_major
+from .._pipeline.stacked.stacked import Stacked
 from .._tree import format_bytes
 
 

@@ -16,7 +16,7 @@ import jax
 from jax.sharding import AbstractMesh, NamedSharding, Sharding
 from jaxtyping import PyTree
 
-from .._pipeline.stage_major import building_on, mesh_to_build_on
+from .._pipeline.stacked.building import building_on, mesh_to_build_on
 from .._placement import place, resolve
 from .._tree import Flat, Params, T, is_array_like, leaf_error, pathstr
 

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh
 
-from ..._pipeline.configure import stacks
+from ..._pipeline.stacked.configure import stacks
 from ..._pipeline.watch import watching
 from ..._tree import format_bytes, is_array_like
 from . import stages_step

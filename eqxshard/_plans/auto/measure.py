@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
-from ..._pipeline.configure import configure, configure_like, stacks
-from ..._pipeline.stage_major import with_mesh_set
+from ..._pipeline.stacked.building import with_mesh_set
+from ..._pipeline.stacked.configure import configure, configure_like, stacks
 from ..._placement import place as place_
 from ..._placement.put import filter_put
 from ..._step.pinned import PinnedOp, pinned_ops

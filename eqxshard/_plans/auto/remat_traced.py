@@ -25,7 +25,7 @@ import jax
 from jax.sharding import Mesh
 
 from ... import _compat
-from ..._pipeline.configure import configure, configure_like, layers, stacks
+from ..._pipeline.stacked.configure import configure, configure_like, layers, stacks
 from ..._tree import format_bytes, is_array_like
 from .flops import _matmul_flops, _subjaxprs
 

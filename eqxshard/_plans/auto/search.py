@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh
 
-from ..._pipeline.configure import stacks
+from ..._pipeline.stacked.configure import stacks
 from ..._tree import is_array_like
 from . import (
     arguments as args_,

@@ -28,7 +28,7 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
-from ..._pipeline.configure import layers, stacks
+from ..._pipeline.stacked.configure import layers, stacks
 from ..._tree import format_bytes
 from ..fsdp import fsdp
 from ..rules import as_rule, first

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ..._pipeline.stage_major import with_mesh_set
+from ..._pipeline.stacked.building import with_mesh_set
 from ..._pipeline.watch import PipelineCall
 from ..fsdp import fsdp
 from ..rules import as_rule, dotted_path, first

@@ -11,8 +11,8 @@ from typing import Any
 
 import jax
 
-from ..._pipeline.configure import configure, configure_like as configure_like
-from ..._pipeline.stage_major import with_mesh_set
+from ..._pipeline.stacked.building import with_mesh_set
+from ..._pipeline.stacked.configure import configure, configure_like as configure_like
 from ..._placement.put import filter_put
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit

@@ -11,11 +11,11 @@ import equinox as eqx
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from .. import _compat
-from .._placement import place
-from .._tree import is_array_like, leaf_error, pathstr, shape_str
-from .order import from_stage_major
-from .remat import with_remat
+from ... import _compat
+from ..._placement import place
+from ..._tree import is_array_like, leaf_error, pathstr, shape_str
+from ..remat import with_remat
+from ..spmd.stage_major import from_stage_major
 
 
 def scan_layers(
@@ -27,7 +27,7 @@ def scan_layers(
 ) -> Any:
     """`h` through every layer of `blocks` in order, as one `lax.scan` over the layer dim:
     the reference every pipeline is checked against. `stage_major=(S, R)`: `blocks` is
-    stored stage-major for `S` stages and `R` repeats (`order.to_stage_major`), and is put
+    stored stage-major for `S` stages and `R` repeats (`spmd.stage_major`), and is put
     back in layer order first."""
     params, static = eqx.partition(blocks, eqx.is_array)
 

@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._tree import leaf_error, pathstr, shape_str
+from ..._tree import leaf_error, pathstr, shape_str
 
 
 def _static_equal(a: Any, b: Any) -> bool:

@@ -8,10 +8,10 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from .order import from_stage_major, to_stage_major
+from ..spmd.stage_major import from_stage_major, to_stage_major
+from .building import with_mesh_set
 from .scan import layer_count
-from .stacked import Stacked
-from .stage_major import with_mesh_set
+from .stacked import Stacked, is_stacked
 
 
 def dotted(path: Any) -> str:
@@ -27,14 +27,10 @@ def dotted(path: Any) -> str:
     return ".".join(parts)
 
 
-def _is_stacked(x: Any) -> bool:
-    return isinstance(x, Stacked)
-
-
 def stacks(model: Any) -> dict[str, Stacked]:
     """Every `Stacked` of `model` by its dotted path (`""` for a model that is one), in
     tree order; stacks nested inside a stack's blocks are not looked into."""
-    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_stacked)[0]
+    found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stacked)[0]
     return {dotted(path): leaf for path, leaf in found if isinstance(leaf, Stacked)}
 
 
@@ -89,7 +85,7 @@ def configure(
         with with_mesh_set(mesh):
             return Stacked(blocks, **options)
 
-    return jax.tree_util.tree_map_with_path(rebuilt, model, is_leaf=_is_stacked)
+    return jax.tree_util.tree_map_with_path(rebuilt, model, is_leaf=is_stacked)
 
 
 def _node(stack: Stacked) -> Any:
@@ -115,7 +111,7 @@ def configure_like(tree: Any, model: Any) -> Any:
                 return jax.tree_util.tree_unflatten(_node(stack), [_reordered(leaf, stack)])
         return leaf
 
-    return jax.tree_util.tree_map_with_path(rebuilt, tree, is_leaf=_is_stacked)
+    return jax.tree_util.tree_map_with_path(rebuilt, tree, is_leaf=is_stacked)
 
 
 def _reordered(leaf: Stacked, stack: Stacked) -> Any:

@@ -10,14 +10,13 @@ import jax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from .. import _compat
-from .._placement.shard import filter_shard
-from .._shard_map.shard_map import filter_shard_map
-from . import checks
-from .order import warn_regrouped
-from .remat import check_remat, with_remat
-from .schedule import regroup, run_stages
-from .watch import note as _note
+from ... import _compat
+from ..._placement.shard import filter_shard
+from ..._shard_map.shard_map import filter_shard_map
+from .. import checks, watch
+from ..remat import check_remat, with_remat
+from .schedule import run_stages
+from .stage_major import regroup, warn_regrouped
 
 _VERB = "filter_pipeline"
 
@@ -50,13 +49,13 @@ def run_pipeline(
     stage_major: bool,
 ) -> Any:
     """`filter_pipeline`, also for a stack stored stage-major (`stage_major=True`: chunk
-    `r*S + s` of the layers is local chunk `r` of stage `s`, as `order.to_stage_major`
+    `r*S + s` of the layers is local chunk `r` of stage `s`, as `stage_major.to_stage_major`
     stores a stack), which runs the circular schedule without moving weights."""
     checks.check_layer(verb, layer)
     mesh = checks.get_mesh(verb, mesh, axis)
     stages = dict(mesh.shape)[axis]
     checks.check_counts(verb, microbatches, repeats, stages)
-    checks.layer_count(verb, blocks, stages, repeats)
+    checks.check_blocks(verb, blocks, stages, repeats)
     batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
     policy = check_remat(verb, remat, mesh)
     warn_regrouped(verb, stage_major, repeats, stages, axis)
@@ -191,7 +190,7 @@ def filter_pipeline(
         y = run(blocks, x)  # as jax.lax.scan over the n layers gives
         ```
     """
-    _note(axis, microbatches, repeats, blocks, mesh)
+    watch.note(axis, microbatches, repeats, blocks, mesh)
     return run_pipeline(
         _VERB,
         layer,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_batching import custom_vmap
 
-from .. import _compat
+from ... import _compat
 
 
 def batched_call(

@@ -1,16 +1,9 @@
-"""The MPMD pipeline's driver: each stage its own compiled programs on its own sub-mesh,
-run in the order `ticks` gives, with activations and cotangents moved between sub-meshes
-by `filter_put`.
+"""The MPMD pipeline's driver: each stage's programs (`programs`) run on its own sub-mesh
+(`submeshes`) from Python, tick by tick in the order `ticks` gives, with activations and
+cotangents moved between sub-meshes by `filter_put`.
 
-Per stage there are two programs, each compiled once per stage and cached across calls
-(`eqx.filter_jit`, keyed by `layer`, `loss`, the stack's non-array part and the remat
-policy, as `eqx.filter_jit` users expect): the forward of a microbatch, `jax.vjp` of the
-stage's layers (the last stage's with the loss), which returns the output and the
-residuals the backward needs, and the backward, which takes them (plus the stage's
-weights, which the residuals would otherwise copy once per microbatch), the cotangent of
-the output and the stage's running weight gradient. The driver holds a microbatch's
-residuals from its forward to its backward and no longer: that is what the schedule's
-order bounds.
+The driver holds a microbatch's residuals from its forward to its backward and no longer:
+that is what the order bounds (1F1B: at most `S` microbatches' per stage; GPipe: all `M`).
 """
 
 from __future__ import annotations
@@ -24,53 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .._placement.put import filter_put
+from ..._placement.put import filter_put
 from . import submeshes
-from .remat import with_remat
+from .programs import backward, forward, forward_last
 from .ticks import ticks
-
-
-def _stage_fn(layer: Callable[[Any, Any], Any], static: Any, policy: str) -> Callable:
-    step = with_remat(lambda w, h: layer(eqx.combine(w, static), h), policy)
-    return lambda w, h: jax.lax.scan(lambda h, p: (step(p, h), None), h, w)[0]
-
-
-def _residuals(out: Any, pullback: Any, weights: Any) -> tuple[Any, Any, Any]:
-    """The pullback's arrays without the stage's weights (the backward gets them again),
-    and what puts them back: its tree and where each weight leaf was."""
-    leaves, tree = jax.tree.flatten(pullback)
-    given = jax.tree.leaves(weights)
-    where = tuple(next((j for j, w in enumerate(given) if w is a), -1) for a in leaves)
-    kept = [a for a, j in zip(leaves, where, strict=True) if j < 0]
-    return out, kept, (tree, where, jnp.result_type(*jax.tree.leaves(out)))
-
-
-def _pullback(kept: list[Any], how: tuple[Any, tuple[int, ...], Any], weights: Any) -> Any:
-    tree, where, _ = how
-    given, rest = jax.tree.leaves(weights), iter(kept)
-    return jax.tree.unflatten(tree, [given[j] if j >= 0 else next(rest) for j in where])
-
-
-@eqx.filter_jit
-def _forward(layer, static, policy, weights, h):
-    out, pullback = jax.vjp(_stage_fn(layer, static, policy), weights, h)
-    return _residuals(out, pullback, weights)
-
-
-@eqx.filter_jit
-def _forward_last(layer, static, policy, loss, scale, weights, h, target):
-    run = _stage_fn(layer, static, policy)
-    value = lambda w, h: loss(run(w, h), *target) * scale  # noqa: E731
-    out, pullback = jax.vjp(value, weights, h)
-    return _residuals(out, pullback, weights)
-
-
-@eqx.filter_jit
-def _backward(kept, how, weights, cotangent, total):
-    if cotangent is None:  # the last stage: the output is its loss
-        cotangent = jnp.ones((), how[2])
-    grad_w, grad_h = _pullback(kept, how, weights)(cotangent)
-    return jax.tree.map(jnp.add, total, grad_w), grad_h
 
 
 @eqx.filter_jit
@@ -157,7 +107,7 @@ def run_mpmd(
                     target = (ts[m],) if has_targets else ()
                     out, kept, how = _on(
                         meshes[s],
-                        _forward_last,
+                        forward_last,
                         layer,
                         static,
                         policy,
@@ -169,14 +119,14 @@ def run_mpmd(
                     )
                     values.append(out)
                 else:
-                    out, kept, how = _on(meshes[s], _forward, layer, static, policy, pieces[s], h)
+                    out, kept, how = _on(meshes[s], forward, layer, static, policy, pieces[s], h)
                     inbox[("F", s + 1, m)] = submeshes.move(out, meshes[s + 1])
                 held[s][m] = (kept, how)
             else:
                 kept, how = held[s].pop(m)
                 cotangent = None if s == S - 1 else inbox.pop(("B", s, m))
                 totals[s], grad_h = _on(
-                    meshes[s], _backward, kept, how, pieces[s], cotangent, totals[s]
+                    meshes[s], backward, kept, how, pieces[s], cotangent, totals[s]
                 )
                 if s > 0:
                     inbox[("B", s - 1, m)] = submeshes.move(grad_h, meshes[s - 1])

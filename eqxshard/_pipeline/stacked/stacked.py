@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
-from .. import _compat
+from ... import _compat
+from ..remat import check_remat
+from ..spmd.pipeline import run_pipeline
+from ..spmd.stage_major import from_stage_major, to_stage_major
 from .batching import batched_call, batching_of
-from .checks import check_stacked
 from .keys import key_parts, keyed_forms, microbatch_keys, takes_key
-from .order import from_stage_major, to_stage_major
-from .pipeline import run_pipeline
-from .remat import check_remat
+from .options import check_options, stored_stages
 from .scan import layer_count, scan_layers, whole_layer_dim
 
 
@@ -127,9 +127,9 @@ class Stacked(eqx.Module):
         n = layer_count(blocks, argname="blocks", verb="Stacked")
         # Without a mesh, "offload" is checked against the default device's memories.
         self.remat = check_remat("Stacked", remat, mesh or Mesh(jax.devices()[:1], ("layers",)))
-        check_stacked(axis, microbatches, repeats, mesh)
+        check_options(axis, microbatches, repeats, mesh)
         self.axis, self.microbatches, self.repeats, self.mesh = axis, microbatches, repeats, mesh
-        self.stages = _stored_stages(axis, repeats, mesh)
+        self.stages = stored_stages(axis, repeats, mesh)
         if self.stages is not None:
             if n % (self.stages * repeats):
                 raise ValueError(
@@ -272,18 +272,6 @@ class Stacked(eqx.Module):
         )
 
 
-def _stored_stages(axis: str | None, repeats: int, mesh: Any) -> int | None:
-    """The stage count a circular stack is stored stage-major for: the size of `axis` in
-    `mesh` (or the mesh set now); `None` (layer order) for GPipe or an unknown count."""
-    if axis is None or repeats == 1:
-        return None
-    mesh = mesh if mesh is not None else _compat.ambient_mesh()
-    if mesh is None or axis not in mesh.axis_names:
-        return None
-    stages = dict(mesh.shape)[axis]
-    return stages if stages > 1 else None
-
-
 def _filled(form: Callable[[Any, Any], Any], shared: Any, keyed: bool) -> Any:
     """`form` given each layer's block with the leaves every layer shares put back."""
 
@@ -307,3 +295,8 @@ def _apply_vmapped(block: Any, h: Any) -> Any:
 # The layer as the plain scan (and a per-example call) runs it, as the pipeline runs it on
 # the caller's microbatches, and per example under `vmap`.
 _PLAIN = (_apply, _apply, _apply_vmapped)
+
+
+def is_stacked(x: Any) -> bool:
+    """Whether `x` is a `Stacked` (an `is_leaf` that stops at stacks)."""
+    return isinstance(x, Stacked)

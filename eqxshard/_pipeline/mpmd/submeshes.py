@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .. import _compat
-from .._placement.put import filter_put
-from .._placement.shard import filter_shard
+from ... import _compat
+from ..._placement.put import filter_put
+from ..._placement.shard import filter_shard
 
 
 def stage_meshes(mesh: Mesh, axis: str) -> list[Mesh]:
@@ -49,10 +49,6 @@ def _rest(leaf: Any, mesh: Mesh, axis: str) -> tuple[Any, ...]:
     return tuple(drop(e) for e in entries)
 
 
-def _on(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
-    return NamedSharding(mesh, spec)
-
-
 def split(weights: Any, mesh: Mesh, axis: str, meshes: list[Mesh]) -> tuple[Any, list[Any]]:
     """`weights` (array leaves with the layer dim first) laid out over `axis` (moved only
     where they are not), and stage `s`'s piece of each leaf on `meshes[s]`."""
@@ -67,7 +63,7 @@ def split(weights: Any, mesh: Mesh, axis: str, meshes: list[Mesh]) -> tuple[Any,
             arrays = [sh.data for sh in leaf.addressable_shards if sh.device in mine]
             pieces[s].append(
                 jax.make_array_from_single_device_arrays(
-                    shape, _on(sub, PartitionSpec(None, *rest)), arrays
+                    shape, NamedSharding(sub, PartitionSpec(None, *rest)), arrays
                 )
             )
     return laid, [jax.tree.unflatten(tree, p) for p in pieces]
@@ -94,6 +90,6 @@ def move(tree: Any, mesh: Mesh) -> Any:
     def target(a: Any) -> NamedSharding:
         sharding = getattr(a, "sharding", None)
         spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
-        return _on(mesh, spec)
+        return NamedSharding(mesh, spec)
 
     return filter_put(tree, jax.tree.map(target, tree))

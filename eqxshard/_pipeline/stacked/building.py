@@ -1,7 +1,7 @@
 """Reaching a circular `Stacked`'s stage-major order once, where its stage count was not
 known when it was built: `Plan.apply` and `filter_init` build the model's stacks with the
 mesh set, and a stack still in layer order warns when its pipeline regroups its weights
-every step (`order.warn_regrouped`)."""
+every step (`spmd.stage_major.warn_regrouped`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from .. import _compat
-from .stacked import Stacked
+from ... import _compat
+from .stacked import Stacked, is_stacked
 
 
 def with_mesh_set(mesh: Mesh | AbstractMesh) -> Any:
@@ -47,7 +47,6 @@ def mesh_to_build_on(abstract: Any, target: Any) -> Mesh | None:
     set already (then that one decides, as for a `Stacked` built under it); else `None`."""
     if not isinstance(target, Mesh) or _compat.ambient_mesh() is not None:
         return None
-    is_stacked = lambda x: isinstance(x, Stacked)  # noqa: E731
     found = [s for s in jax.tree.leaves(abstract, is_leaf=is_stacked) if is_stacked(s)]
     return target if any(_in_layer_order(s, target) for s in found) else None
 

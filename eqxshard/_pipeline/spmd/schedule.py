@@ -1,70 +1,28 @@
-"""The per-device program of a pipeline: each stage runs its own layers on one microbatch per
-tick and passes the result to the next stage by a collective permute.
+"""The per-device program of `filter_pipeline`: each stage runs its own layers on one
+microbatch per tick and passes the result to the next stage by a collective permute.
 
 Runs inside `shard_map` over the stage axis (`S` stages). Each stage holds `R` chunks of
-`L` layers (`R` = `repeats`). Chunk `c` of the layer stack (layers `c*L .. c*L+L-1`) runs
-on stage `c % S`, as its local chunk `c // S`: for `R = 1` the GPipe schedule, for `R > 1`
-the circular one. The stack split contiguously over the stage axis gives stage `s` the
-chunks `s*R .. s*R+R-1`, so for `R > 1` the chunks are first sent to the stages that run
-them (`regroup`: one all-to-all of the stage's weights, in the forward pass and its
-transpose in the backward pass); a stack already stored stage-major skips it.
+`L` layers (`R` = `repeats`), stage-major (`stage_major`): chunk `c` of the layer stack
+(layers `c*L .. c*L+L-1`) runs on stage `c % S`, as its local chunk `c // S`. For `R = 1`
+this is the GPipe schedule, for `R > 1` the circular one: the same loop.
 
 The loop runs `M*R + S - 1` ticks (`M` microbatches). At tick `t` stage `s` works on item
-`k = t - s` (microbatch `k % M`, pass `k // M`; idle when `k` is outside `0 .. M*R-1`: the
-bubble). Stage 0 takes microbatch `m` from the input on the first pass and from what the
-last stage sent back (kept in a buffer of `M` microbatches) on later ones, so circular
-needs `M >= S`. The last stage's results on the last pass are the output.
+`k = t - s` (microbatch `k % M`, pass `k // M`, its local chunk; idle when `k` is outside
+`0 .. M*R-1`: the bubble, `bubble.bubble_fraction`). Stage 0 takes microbatch `m` from the
+input on the first pass and from what the last stage sent back (kept in a buffer of `M`
+microbatches) on later ones, so circular needs `M >= S`. The last stage's results on the
+last pass are the output.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .. import _compat
-
-
-def _send_tables(stages: int, repeats: int) -> tuple[np.ndarray, np.ndarray]:
-    """For `regroup`: `send[d, e, k]`, the local chunk stage `d` sends to stage `e`
-    in place `k`; `take[e, i]`, where (`d*Q + k`) stage `e` finds its local chunk `i`."""
-    per = math.ceil(repeats / stages)  # Q: chunks one stage sends another, at most
-    send = np.zeros((stages, stages, per), np.int32)
-    slot: dict[tuple[int, int], int] = {}
-    for d in range(stages):
-        for j in range(repeats):
-            e = (d * repeats + j) % stages
-            k = sum(1 for jj in range(j) if (d * repeats + jj) % stages == e)
-            send[d, e, k] = j
-            slot[(d, j)] = k
-    take = np.zeros((stages, repeats), np.int32)
-    for e in range(stages):
-        for i in range(repeats):
-            d, j = divmod(i * stages + e, repeats)
-            take[e, i] = d * per + slot[(d, j)]
-    return send, take
-
-
-def regroup(local: Any, axis: str, stages: int, repeats: int) -> Any:
-    """Inside `shard_map`: each stage's slice of a layer stack split contiguously (chunks
-    `s*R ..`) turned into the chunks it runs (`c` with `c % S == s`), by one all-to-all."""
-    if repeats == 1 or stages == 1:
-        return local
-    send, take = _send_tables(stages, repeats)
-    s = jax.lax.axis_index(axis)
-
-    def move(a: jax.Array) -> jax.Array:
-        chunks = a.reshape(repeats, a.shape[0] // repeats, *a.shape[1:])
-        out = chunks[jnp.asarray(send)[s]]  # (S, Q, L, ...): what goes to each stage
-        got = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # (S, Q, L, ...) by sender
-        got = got.reshape(-1, *chunks.shape[1:])
-        return got[jnp.asarray(take)[s]].reshape(a.shape)
-
-    return jax.tree.map(move, local)
+from ... import _compat
 
 
 def run_stages(

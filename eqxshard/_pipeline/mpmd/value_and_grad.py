@@ -12,12 +12,12 @@ import jax
 from jax.sharding import Mesh
 from jaxtyping import PyTree
 
-from .._placement.put import filter_put
-from . import checks
-from .mpmd import run_mpmd
-from .remat import check_remat
+from ..._placement.put import filter_put
+from .. import checks, watch
+from ..remat import check_remat
+from .checks import check_concrete, check_mpmd, check_scalar_loss, check_targets
+from .driver import run_mpmd
 from .ticks import SCHEDULES
-from .watch import note as _note
 
 _VERB = "pipeline_value_and_grad"
 
@@ -26,23 +26,6 @@ def _like_x(grad: Any, x: Any) -> Any:
     """`grad` laid out as `x` where `x`'s leaves are `jax.Array`s (else where it is)."""
     target = jax.tree.map(lambda a: a.sharding if isinstance(a, jax.Array) else None, x)
     return filter_put(grad, target) if any(jax.tree.leaves(target)) else grad
-
-
-def _check_scalar_loss(loss: Any, x: Any, targets: Any, microbatches: int) -> None:
-    """`loss` returns a scalar on a microbatch of the output (shaped as `x`'s) and targets."""
-
-    def cut(a: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((a.shape[0] // microbatches, *a.shape[1:]), a.dtype)
-
-    given = (x,) if targets is None else (x, targets)
-    out = jax.eval_shape(loss, *jax.tree.map(cut, given))
-    if not (isinstance(out, jax.ShapeDtypeStruct) and out.shape == ()):
-        got = jax.tree.map(lambda a: tuple(a.shape), out)
-        raise ValueError(
-            f"`{_VERB}` needs `loss` to return a scalar (shape `()`) for a microbatch, but it "
-            f"returned shape {got}. Reduce it inside `loss` (e.g. `jnp.mean(...)` over the "
-            "microbatch's rows): the value is the mean of `loss` over the microbatches."
-        )
 
 
 def pipeline_value_and_grad(
@@ -151,19 +134,19 @@ def pipeline_value_and_grad(
         blocks = eqx.apply_updates(blocks, updates)  # one training step
         ```
     """
-    _note(axis, microbatches, 1, blocks, mesh, verb=_VERB)
+    watch.note(axis, microbatches, 1, blocks, mesh, verb=_VERB)
     checks.check_layer(_VERB, layer)
     found = checks.get_mesh(_VERB, mesh, axis)
-    checks.check_mpmd(_VERB, loss, schedule, SCHEDULES, found, on_tick)
+    check_mpmd(_VERB, loss, schedule, SCHEDULES, found, on_tick)
     assert isinstance(found, Mesh)
     mesh = found
     stages = dict(mesh.shape)[axis]
     checks.check_counts(_VERB, microbatches, 1, stages)
-    checks.layer_count(_VERB, blocks, stages, 1)
-    checks.check_concrete(_VERB, blocks=blocks, x=x, targets=targets)
+    checks.check_blocks(_VERB, blocks, stages, 1)
+    check_concrete(_VERB, blocks=blocks, x=x, targets=targets)
     batch, batch_axes = checks.batch_size(_VERB, x, mesh, axis, microbatches)
-    checks.check_targets(_VERB, targets, batch)
-    _check_scalar_loss(loss, x, targets, microbatches)
+    check_targets(_VERB, targets, batch)
+    check_scalar_loss(_VERB, loss, x, targets, microbatches)
     policy = check_remat(_VERB, remat, mesh)
     weights, static = eqx.partition(blocks, eqx.is_array)
     value, grad_w, grad_x = run_mpmd(
