@@ -19,6 +19,7 @@ from .async_save import (
     AsyncSave as AsyncSave,
 )
 from .damage import damage as damage
+from .loops import drain_orbax_loops
 
 # (directory, step) of the damaged steps already warned about, so that each is said once.
 _WARNED: set[tuple[str, int]] = set()
@@ -32,6 +33,7 @@ def _orbax(verb: str) -> Any:
             f"`{verb}` needs the `orbax-checkpoint` package, which is not installed. "
             "Install it with `pip install eqxshard[checkpoint]`."
         ) from e
+    drain_orbax_loops()
     return ocp
 
 
