@@ -328,7 +328,7 @@ def test_importing_eqxshard_does_not_import_orbax() -> None:
 def test_async_handle_repr(tmp_path: Path) -> None:
     handle = filter_save(tmp_path, 4, {"a": jnp.zeros(2)})
     assert repr(handle) == f"AsyncSave(directory={str(tmp_path)!r}, step=4, done)"
-    assert isinstance(handle, _checkpoint.AsyncSave)
+    assert isinstance(handle, eqxshard.AsyncSave)
 
 
 # ----------------------------------------------------------------------------- hardening
