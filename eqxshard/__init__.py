@@ -1,12 +1,9 @@
 """eqxshard: sharding for Equinox models and other JAX PyTrees."""
 
 from . import _version
+from ._checkpoint.async_save import AsyncSave as AsyncSave
 from ._checkpoint.restore import filter_restore as filter_restore
-from ._checkpoint.save import (
-    AsyncSave as AsyncSave,
-    filter_save as filter_save,
-    latest_step as latest_step,
-)
+from ._checkpoint.save import filter_save as filter_save, latest_step as latest_step
 from ._mapping.jacobian import (
     filter_hessian as filter_hessian,
     filter_jacfwd as filter_jacfwd,

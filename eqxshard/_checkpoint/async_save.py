@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from .damage import damage
+from .store import damage
 
 
 class AsyncSave:
@@ -60,8 +60,8 @@ class AsyncSave:
             # for the others, which wait for this process's part of the save.
             if _PENDING.get(self.directory) is self:
                 del _PENDING[self.directory]
-            _release_waiting_threads()
-            _remove_partial(self.directory, self.step)
+            release_waiting_threads()
+            remove_partial(self.directory, self.step)
             raise
         try:
             manager.close()
@@ -116,7 +116,7 @@ def _future_error(future: Any, depth: int = 0) -> BaseException | None:
     return _future_error(getattr(future, "_futures", None), depth + 1)
 
 
-def _capture_write_errors(manager: Any) -> None:
+def capture_write_errors(manager: Any) -> None:
     """Keeps the error of this process's write where `_wait_for` sees it: orbax's thread
     that finishes the save takes it from the writer, then waits at a barrier for the
     other processes before it reports it."""
@@ -162,7 +162,7 @@ def _wait_for(manager: Any, directory: str, step: int) -> None:
     manager.wait_until_finished()
 
 
-def _remove_partial(directory: str, step: int) -> None:
+def remove_partial(directory: str, step: int) -> None:
     """Removes what a failed save of `step` left behind: orbax's temporary directory."""
     if "://" in directory or not os.path.isdir(directory):
         return
@@ -179,7 +179,7 @@ def _remove_partial(directory: str, step: int) -> None:
                     pass
 
 
-def _remove_leftovers(directory: str, step: int) -> None:
+def remove_leftovers(directory: str, step: int) -> None:
     """Removes the temporary directories of saves of steps before `step` that were killed
     (they never count; orbax's `max_to_keep` never removes them, or removes one of them
     in place of a step)."""
@@ -189,10 +189,10 @@ def _remove_leftovers(directory: str, step: int) -> None:
         number, dot, rest = name.partition(".")
         if dot and rest.startswith("orbax-checkpoint-tmp") and number.isdigit():
             if int(number) < step:
-                _remove_partial(directory, int(number))
+                remove_partial(directory, int(number))
 
 
-def _release_waiting_threads() -> None:
+def release_waiting_threads() -> None:
     """After a failed save, wakes orbax's writer threads that still wait for the step
     directory to be created (otherwise each waits out orbax's timeout, minutes, and holds
     up the exit of Python). Woken, they find no directory and end."""
@@ -206,6 +206,21 @@ def _release_waiting_threads() -> None:
         )
     except Exception:  # another orbax version: its threads time out as before
         pass
+
+
+def finish_running_save(directory: str) -> None:
+    """Waits for the save still being written to `directory`, if any: a new save to a
+    directory first finishes the one before (raising its error, if it failed)."""
+    pending = _PENDING.get(directory)
+    if pending is not None:
+        pending.wait()
+
+
+def track_running_save(save: AsyncSave) -> None:
+    """Registers `save`, just started, as the one being written to its directory: the next
+    save there, `unfinished_saves` and the exit of Python wait for it. `save.wait()`
+    unregisters it."""
+    _PENDING[save.directory] = save
 
 
 def unfinished_saves() -> list[AsyncSave]:
@@ -235,7 +250,7 @@ def _wait_all() -> None:
             )
 
 
-def _wait_at_exit() -> None:
+def wait_at_exit() -> None:
     """Finishes running saves when Python exits, registered on the first save.
 
     They must finish before Python shuts down the thread pools orbax writes with

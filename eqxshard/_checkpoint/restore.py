@@ -14,8 +14,17 @@ from .._placement import place, staging
 from .._plans.plan import plan_shardings
 from .._tree import Flat, T, is_array_like, leaf_error, pathstr
 from . import restore_match
-from .save import _all_steps, _directory, _manager, _names, _orbax, _step, _steps, damage
-from .store import read_part
+from .store import (
+    checked_directory,
+    checked_step,
+    complete_steps,
+    damage,
+    import_orbax,
+    leaf_names,
+    open_manager,
+    read_part,
+    steps_on_disk,
+)
 
 
 def _own_sharding(leaf: Any) -> Sharding | None:
@@ -132,11 +141,11 @@ def filter_restore(
                 f"`filter_restore` takes `{name}` as a bool, but got {flag!r} of type "
                 f"{type(flag).__name__}."
             )
-    ocp = _orbax(verb)
-    directory = _directory(directory, verb)
-    all_steps = _all_steps(ocp, directory)
+    ocp = import_orbax(verb)
+    directory = checked_directory(directory, verb)
+    all_steps = steps_on_disk(ocp, directory)
     # An explicit step is read or is an error; only `step=None` skips damaged ones, saying so.
-    steps = _steps(ocp, directory, warn=step is None)
+    steps = complete_steps(ocp, directory, warn=step is None)
     if step is None:
         if not steps:
             damaged = f" (damaged steps, skipped: {all_steps})" if all_steps else ""
@@ -146,7 +155,7 @@ def filter_restore(
             )
         step = steps[-1]
     else:
-        step = _step(step, verb)
+        step = checked_step(step, verb)
         if step not in all_steps:
             raise FileNotFoundError(
                 f"`filter_restore` found no step {step} in {directory}; it holds steps "
@@ -166,7 +175,7 @@ def filter_restore(
             flat, shardings = plan_shardings(verb, like, flat.rebuild({**own, **statics}), None)
     else:
         flat, shardings = plan_shardings(verb, like, target, spec)
-    names = _names(verb, flat, like)
+    names = leaf_names(verb, flat, like)
     # What no plan gave (no target, or `None` in a prefix target) keeps its own sharding.
     unplaced = []
     for i in flat.array_indices:
@@ -186,7 +195,7 @@ def filter_restore(
             )
         )
 
-    manager = _manager(ocp, directory, create=False)
+    manager = open_manager(ocp, directory, create=False)
     try:
         try:
             metadata = manager.item_metadata(step)

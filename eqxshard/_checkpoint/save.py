@@ -10,7 +10,8 @@ devices' shards; no whole array is gathered on a host.
 
 `orbax-checkpoint` is an optional dependency (`pip install eqxshard[checkpoint]`),
 imported on first use only. `filter_restore` is in `restore.py`, `AsyncSave` (waiting for
-a save, at exit too, and cleaning up after a failed one) in `async_save.py`.
+a save, at exit too, and cleaning up after a failed one) in `async_save.py`, the orbax
+side (arguments checked, orbax's manager, the steps on disk) in `store.py`.
 """
 
 from __future__ import annotations
@@ -23,25 +24,26 @@ from jaxtyping import PyTree
 from .. import _compat
 from .._tree import Flat, leaf_error, pathstr
 from .async_save import (
-    _PENDING,
-    AsyncSave as AsyncSave,
-    _capture_write_errors,
-    _release_waiting_threads,
-    _remove_leftovers,
-    _remove_partial,
-    _wait_at_exit,
+    AsyncSave,
+    capture_write_errors,
+    finish_running_save,
+    release_waiting_threads,
+    remove_leftovers,
+    remove_partial,
+    track_running_save,
+    wait_at_exit,
 )
 from .store import (
-    _all_steps,
-    _directory,
-    _manager,
-    _max_to_keep,
-    _names,
-    _orbax,
-    _step,
-    _steps,
-    _writable,
+    check_writable,
+    checked_directory,
+    checked_max_to_keep,
+    checked_step,
+    complete_steps,
     damage,
+    import_orbax,
+    leaf_names,
+    open_manager,
+    steps_on_disk,
 )
 
 # ----------------------------------------------------------------------------- save
@@ -121,9 +123,9 @@ def filter_save(
         ```
     """
     verb = "filter_save"
-    ocp = _orbax(verb)
-    directory, step = _directory(directory, verb), _step(step, verb)
-    max_to_keep = _max_to_keep(max_to_keep)
+    ocp = import_orbax(verb)
+    directory, step = checked_directory(directory, verb), checked_step(step, verb)
+    max_to_keep = checked_max_to_keep(max_to_keep)
     if not isinstance(wait, bool):
         raise TypeError(f"`filter_save` takes `wait` as a bool, but got {type(wait).__name__}.")
     flat = Flat(tree)
@@ -139,7 +141,7 @@ def filter_save(
                 "Call `filter_save` outside the transformation, on its outputs.",
             )
         )
-    names = _names(verb, flat, tree)
+    names = leaf_names(verb, flat, tree)
     if not names:
         raise ValueError(
             "`filter_save` found no array leaves in `tree`, so there is nothing to save "
@@ -160,11 +162,9 @@ def filter_save(
                 "at least one element.",
             )
         )
-    _writable(directory)
-    pending = _PENDING.get(directory)
-    if pending is not None:
-        pending.wait()
-    if step in _all_steps(ocp, directory):
+    check_writable(directory)
+    finish_running_save(directory)
+    if step in steps_on_disk(ocp, directory):
         state = "" if damage(directory, step) is None else " (damaged)"
         raise ValueError(
             f"`filter_save` found step {step} already saved{state} in {directory}. Save under "
@@ -175,7 +175,7 @@ def filter_save(
         leaf = flat.leaves[i]
         arrays[name] = jax.random.key_data(leaf) if _compat.is_prng_key(leaf) else leaf
     if jax.process_index() == 0:
-        _remove_leftovers(directory, step)
+        remove_leftovers(directory, step)
     if "://" not in directory:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -185,25 +185,25 @@ def filter_save(
                 f"`filter_save` cannot create `directory` {directory}: {e.strerror}. Pass a "
                 "directory this process can write to.",
             ) from e
-    manager = _manager(
+    manager = open_manager(
         ocp, directory, create=True, max_to_keep=max_to_keep, enable_async_checkpointing=True
     )
-    _capture_write_errors(manager)
+    capture_write_errors(manager)
     handle = AsyncSave(manager, directory, step)
-    _wait_at_exit()
+    wait_at_exit()
     try:
         # `force`: orbax skips (returning False) a step below its latest one; a step asked
         # for is a step saved.
         manager.save(step, args=ocp.args.StandardSave(arrays), force=True)
     except BaseException:
-        _release_waiting_threads()
+        release_waiting_threads()
         try:
             handle.wait()
         except BaseException:
             pass  # the error of `save` is the one to raise
-        _remove_partial(directory, step)
+        remove_partial(directory, step)
         raise
-    _PENDING[directory] = handle
+    track_running_save(handle)
     if wait:
         handle.wait()
     return handle
@@ -227,12 +227,12 @@ def latest_step(directory: str | os.PathLike) -> int | None:
     - `ValueError`: if `directory` is empty.
     - `NotADirectoryError`: if `directory` is a file.
     """
-    ocp = _orbax("latest_step")
-    path = _directory(directory, "latest_step")
+    ocp = import_orbax("latest_step")
+    path = checked_directory(directory, "latest_step")
     if os.path.isfile(path):  # a mistyped path must not read as "start from scratch"
         raise NotADirectoryError(
             f"`latest_step` got `directory` {path}: it is a file, not a checkpoint "
             "directory. Pass the directory `filter_save` writes to."
         )
-    steps = _steps(ocp, path)
+    steps = complete_steps(ocp, path)
     return steps[-1] if steps else None

@@ -5,6 +5,7 @@ leaves are saved under. Shared by `filter_save`, `latest_step` and `filter_resto
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any
@@ -15,16 +16,15 @@ import numpy as np
 from .._pipeline.stacked.stacked import Stacked
 from .._plans.rules import dotted_path
 from .._tree import Flat, leaf_error, pathstr
-from .async_save import (
-    AsyncSave as AsyncSave,
-)
-from .damage import damage as damage
+from .loops import drain_orbax_loops
 
 # (directory, step) of the damaged steps already warned about, so that each is said once.
 _WARNED: set[tuple[str, int]] = set()
 
 
-def _orbax(verb: str) -> Any:
+def import_orbax(verb: str) -> Any:
+    """`orbax.checkpoint`, imported on first use (orbax's event loops then drained before
+    they close, see `loops.py`); an `ImportError` naming `verb` if it is not installed."""
     try:
         import orbax.checkpoint as ocp
     except ImportError as e:
@@ -32,10 +32,13 @@ def _orbax(verb: str) -> Any:
             f"`{verb}` needs the `orbax-checkpoint` package, which is not installed. "
             "Install it with `pip install eqxshard[checkpoint]`."
         ) from e
+    drain_orbax_loops()
     return ocp
 
 
-def _directory(directory: Any, verb: str) -> str:
+def checked_directory(directory: Any, verb: str) -> str:
+    """`directory` (a `str` or `os.PathLike`, not empty) as the absolute path orbax wants;
+    URLs (`gs://...`) as they are."""
     if not isinstance(directory, str | os.PathLike):
         raise TypeError(
             f"`{verb}` takes a `directory` as a `str` or `os.PathLike`, but got "
@@ -47,11 +50,11 @@ def _directory(directory: Any, verb: str) -> str:
             f'`{verb}` got an empty `directory`. Pass the checkpoint directory\'s path ("." '
             "for the current directory)."
         )
-    # orbax wants absolute paths; URLs (`gs://...`) are left as they are.
     return directory if "://" in directory else os.path.abspath(directory)
 
 
-def _step(step: Any, verb: str) -> int:
+def checked_step(step: Any, verb: str) -> int:
+    """`step` as an int >= 0 (a NumPy integer too; not a bool)."""
     if isinstance(step, bool) or not isinstance(step, int | np.integer):
         raise TypeError(f"`{verb}` takes an int `step`, but got {type(step).__name__}.")
     if step < 0:
@@ -59,7 +62,8 @@ def _step(step: Any, verb: str) -> int:
     return int(step)
 
 
-def _max_to_keep(max_to_keep: Any) -> int | None:
+def checked_max_to_keep(max_to_keep: Any) -> int | None:
+    """`filter_save`'s `max_to_keep` as an int >= 1, or `None` (keep every step)."""
     if max_to_keep is None:
         return None
     if isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int | np.integer):
@@ -75,7 +79,7 @@ def _max_to_keep(max_to_keep: Any) -> int | None:
     return int(max_to_keep)
 
 
-def _writable(directory: str) -> None:
+def check_writable(directory: str) -> None:
     """Raises if `directory`, or a folder above it, is an existing non-directory."""
     if "://" in directory:
         return
@@ -95,14 +99,17 @@ def _writable(directory: str) -> None:
         path = parent
 
 
-def _manager(ocp: Any, directory: str, *, create: bool, **options: Any) -> Any:
+def open_manager(ocp: Any, directory: str, *, create: bool, **options: Any) -> Any:
+    """orbax's `CheckpointManager` of `directory` with one item (`default`), written and
+    read by the standard handler; `options` are its `CheckpointManagerOptions`. The
+    caller closes it."""
     options = ocp.CheckpointManagerOptions(create=create, **options)
     return ocp.CheckpointManager(
         directory, options=options, item_handlers=ocp.StandardCheckpointHandler()
     )
 
 
-def _all_steps(ocp: Any, directory: str) -> list[int]:
+def steps_on_disk(ocp: Any, directory: str) -> list[int]:
     """The finalised steps in `directory` (a save in progress is not one), ascending,
     whether complete or damaged."""
     if "://" not in directory and not os.path.isdir(directory):
@@ -110,11 +117,33 @@ def _all_steps(ocp: Any, directory: str) -> list[int]:
     return sorted(ocp.utils.checkpoint_steps(directory))
 
 
-def _steps(ocp: Any, directory: str, *, warn: bool = True) -> list[int]:
+def damage(directory: str, step: int) -> str | None:
+    """What is missing or unreadable in step `step` of `directory`, or `None` if its
+    metadata is complete (array data is only read by `filter_restore`). URLs are not
+    checked."""
+    if "://" in directory:
+        return None
+    step_dir = os.path.join(directory, str(step))
+    if not os.path.isfile(os.path.join(step_dir, "_CHECKPOINT_METADATA")):
+        return f"{step_dir}/_CHECKPOINT_METADATA is missing"
+    metadata = os.path.join(step_dir, "default", "_METADATA")
+    if not os.path.isfile(metadata):
+        return f"{metadata} is missing"
+    try:
+        with open(metadata) as f:
+            tree = json.load(f)["tree_metadata"]
+        if not isinstance(tree, dict):
+            raise TypeError(type(tree).__name__)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{metadata} is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def complete_steps(ocp: Any, directory: str, *, warn: bool = True) -> list[int]:
     """The complete steps in `directory`, ascending. A damaged one (an interrupted copy,
     lost metadata) is skipped, with a warning the first time it is seen (with `warn`)."""
     steps = []
-    for step in _all_steps(ocp, directory):
+    for step in steps_on_disk(ocp, directory):
         problem = damage(directory, step)
         if problem is None:
             steps.append(step)
@@ -128,7 +157,7 @@ def _steps(ocp: Any, directory: str, *, warn: bool = True) -> list[int]:
     return steps
 
 
-def _names(verb: str, flat: Flat, tree: Any = None) -> dict[str, int]:
+def leaf_names(verb: str, flat: Flat, tree: Any = None) -> dict[str, int]:
     """Each array leaf's name in the checkpoint (its dotted path) -> its index in `flat`.
 
     The leaves of a `Stacked` of `tree` stored stage-major carry that order in their
