@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 import eqxshard
 
@@ -99,10 +98,6 @@ def _under_file(directory: str) -> Any:
 
 _STEP_IN = r"step 2 in .*eqxshard-catalogue-"
 
-# After one array of a step fails to read, orbax closes its event loop while tensorstore
-# still completes the other reads; their callbacks then find the loop closed ("Exception
-# ignored", sometimes). eqxshard's error is raised first and is what the case checks.
-ORBAX_LATE_CALLBACK = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 
 CASES: list[Case] = [
     # filter_save: arguments
@@ -283,7 +278,6 @@ CASES: list[Case] = [
         _in_temp(_damaged("truncated"), saved=(1, 2)),
         ValueError,
         _STEP_IN + r".*unreadable.*pass `step=1`",
-        marks=(ORBAX_LATE_CALLBACK,),
     ),
     Case(
         "filter_restore/damaged-only-step",
