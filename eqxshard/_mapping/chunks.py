@@ -205,6 +205,21 @@ class Trace:
         self.treedef, self.axes, self.statics = treedef, axes, statics
         self.unmapped_paths = unmapped_paths
 
+    def output(self, mapped: list[Any], unmapped: list[Any], moveaxis: Callable) -> Any:
+        """The output PyTree of this trace's structure: the `mapped` outputs (mapped axis
+        first) with that axis moved to its `out_axes` by `moveaxis` (`jnp.moveaxis` or
+        `np.moveaxis`), the `unmapped` arrays and the non-array leaves, in order."""
+        mapped_iter, unmapped_iter = iter(mapped), iter(unmapped)
+        leaves = []
+        for a, s in zip(self.axes, self.statics, strict=True):
+            if a is not None:
+                leaves.append(moveaxis(next(mapped_iter), 0, a))
+            elif s is None:
+                leaves.append(next(unmapped_iter))
+            else:
+                leaves.append(s)
+        return jtu.tree_unflatten(self.treedef, leaves)
+
     def same_as(self, other: Trace) -> bool:
         if self.treedef != other.treedef or self.axes != other.axes:
             return False

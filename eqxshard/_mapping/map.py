@@ -434,13 +434,4 @@ def run_chunks(
             "Non-array outputs must be the same for every element: return them from outside "
             "the mapped function, or make them arrays."
         )
-    mapped_iter, unmapped_iter = iter(mapped_out), iter(unmapped_out)
-    out_leaves = []
-    for a, s in zip(first.axes, first.statics, strict=True):
-        if a is not None:
-            out_leaves.append(jnp.moveaxis(next(mapped_iter), 0, a))
-        elif s is None:
-            out_leaves.append(next(unmapped_iter))
-        else:
-            out_leaves.append(s)
-    return jtu.tree_unflatten(first.treedef, out_leaves)
+    return first.output(mapped_out, unmapped_out, jnp.moveaxis)

@@ -191,17 +191,7 @@ def _run(
                     out[start:stop] = y[: stop - start]
                 bar.update(stop - start)
         assert mapped_out is not None
-    first = traces[0]
-    mapped_iter, unmapped_iter = iter(mapped_out), iter(unmapped_out)
-    out_leaves = []
-    for a, s in zip(first.axes, first.statics, strict=True):
-        if a is not None:
-            out_leaves.append(np.moveaxis(next(mapped_iter), 0, a))
-        elif s is None:
-            out_leaves.append(np.asarray(next(unmapped_iter)))
-        else:
-            out_leaves.append(s)
-    return jtu.tree_unflatten(first.treedef, out_leaves)
+    return traces[0].output(mapped_out, [np.asarray(u) for u in unmapped_out], np.moveaxis)
 
 
 @overload

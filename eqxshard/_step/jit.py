@@ -2,20 +2,14 @@
 donation, the wrapper it returns, and how a call of it runs.
 
 A call flattens `(fun, args, kwargs)` once: array leaves are traced, the rest (with the
-tree structure) is held static and is the cache key, as in `eqx.filter_jit`. For each key
-one Python function is traced, by one `jax.jit` that carries the resolved `in_shardings`,
-`out_shardings` and `donate_argnums` over the array leaves in their flattening order: the
-very program a hand-written `jax.jit` with those arguments compiles (`entry.py`).
-
-Layouts depend on the inputs' shapes, so a configuration with `in_shardings`,
-`out_shardings` or a `donate` filter resolves them once per input signature (each leaf's
-abstract value); without them one entry serves every signature and JAX's own cache tells
-signatures apart. A call like one seen before does no more than flatten, split the
-leaves, look its entry up, check that laid-out inputs are still the very layouts last
-found right (`entry.lay_out`), call the `jax.jit` and rebuild the output.
-
-A `ShardingTypeError` JAX raises while tracing `fun` on a mesh with Explicit axes gets a
-note saying what it means for an Equinox model and what to change (`explained`).
+tree structure) is held static and is the cache key, as in `eqx.filter_jit`. Each key
+has its entry (`entry.py`): one `jax.jit` with the resolved `in_shardings`,
+`out_shardings` and `donate_argnums` over the array leaves in their flattening order,
+resolved once per input signature where layouts or a `donate` filter depend on shapes.
+A call like one seen before only flattens, splits the leaves, looks its entry up, checks
+that laid-out inputs are still the very layouts last found right, calls the `jax.jit` and
+rebuilds the output. A `ShardingTypeError` raised while tracing on Explicit mesh axes
+gets a note saying what to change (`explained`).
 """
 
 from __future__ import annotations
@@ -177,12 +171,13 @@ def filter_jit(
         import optax
         from jax.sharding import PartitionSpec as P
 
+        optimiser = optax.adamw(1e-3)
         # Auto axes: XLA gathers the fsdp-split weights where the step needs them.
-        axis_types = (jax.sharding.AxisType.Auto,)
-        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=axis_types)
+        mesh = jax.make_mesh(
+            (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+        )
         mlp = eqx.nn.MLP(64, 64, 256, 2, key=jax.random.key(0))
         model = eqxshard.filter_shard(mlp, mesh, eqxshard.fsdp("data"))
-        optimiser = optax.adamw(1e-3)
         params = eqx.filter(model, eqx.is_array)
         opt_state = eqxshard.filter_shard(optimiser.init(params), mesh, eqxshard.like(params))
 
