@@ -42,9 +42,12 @@ from ._plans.stages import stages as stages
 from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import SetupReport as SetupReport, check_setup as check_setup
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map
-from ._step.describe_step import describe_step as describe_step
+from ._step.describe_step import (
+    StepLeaf as StepLeaf,
+    StepReport as StepReport,
+    describe_step as describe_step,
+)
 from ._step.jit import filter_jit as filter_jit
 from ._step.loop import StepLoop as StepLoop
-from ._step.step_report import StepLeaf as StepLeaf, StepReport as StepReport
 
 __version__ = _version.version()

@@ -1,6 +1,6 @@
 """`describe_step`: a compiled step's layouts, the share of its work each device does, and
 the ops XLA runs on one device and replicates, e.g. `eqx.error_if` in the loss
-(eqxshard/_step/describe_step.py, step_report.py, _plans/auto/pinned.py)."""
+(eqxshard/_step/describe_step.py, _step/pinned.py)."""
 
 from __future__ import annotations
 

@@ -396,7 +396,7 @@ def test_sys_exit_after_initialize_is_still_a_system_exit(monkeypatch):
     # Python 3.11's way (on 3.12+ `sys.exit` is left alone): not `sys.monitoring` here,
     # which would outlive the test and end pytest itself at its exit.
     monkeypatch.setattr(_exits, "_watch_system_exit", lambda: False)
-    _exits._end_promptly_on_errors()
+    _exits.end_promptly_on_errors()
     for status, code in [(3, 3), (None, None), ("bye", "bye"), (0, 0)]:
         with pytest.raises(SystemExit) as info:
             sys.exit(status)
@@ -435,7 +435,7 @@ def test_system_exit_at_the_top_ends_at_once_with_its_code(
         import atexit, sys
         from eqxshard._processes import initialize as _initialize
         def main():
-            _initialize._end_promptly_on_errors()
+            _initialize.end_promptly_on_errors()
             atexit.register(lambda: print("atexit ran", flush=True))
             try:
                 {call}(7)

@@ -1,5 +1,5 @@
 """The note `filter_jit` adds to JAX's `ShardingTypeError` on Explicit mesh axes
-(eqxshard/_step/sharding_note.py)."""
+(eqxshard/_step/jit.py, `explained`)."""
 
 from __future__ import annotations
 

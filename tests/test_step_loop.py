@@ -211,7 +211,7 @@ def test_a_bound_method_runs_its_own_filter_jit_not_one_around_it():
     # `model.step` (decorated in the class body) is an `eqx.Partial` of its wrapper and the
     # module: the loop runs that wrapper, with its donation, once traced, and builds no
     # second `filter_jit` around it (nor for `filter_jit(model.step)`).
-    from eqxshard._step import call
+    from eqxshard._step import jit as call
 
     traces = []
 
@@ -229,19 +229,19 @@ def test_a_bound_method_runs_its_own_filter_jit_not_one_around_it():
 
     m = M(jnp.arange(3.0))
     for step in (m.step, eqxshard.filter_jit(m.step)):
-        call._SITES.clear()
+        call.SITES.clear()
         state = jnp.zeros(3)
         loop = eqxshard.StepLoop(step, state)
         losses = [loop(jnp.full(3, float(i))) for i in range(4)]
-        assert len(traces) == 1 and len(call._SITES) == 1  # the second: JAX's cache
+        assert len(traces) == 1 and len(call.SITES) == 1  # the second: JAX's cache
         assert state.is_deleted()  # the wrapper's own donation of `c`
         np.testing.assert_array_equal(loop.state[0], np.arange(3.0) * 6)
         assert [float(v) for v in losses] == [0.0, 3.0, 6.0, 9.0]
         assert not m.w.is_deleted()
     # A plain method, bound: one `filter_jit` of it, the module's arrays traced.
     traces.clear()
-    call._SITES.clear()
+    call.SITES.clear()
     loop = eqxshard.StepLoop(m.plain, jnp.zeros(3))
     loop(jnp.ones(3))
     loop(jnp.ones(3))
-    assert len(traces) == 1 and len(call._SITES) == 1
+    assert len(traces) == 1 and len(call.SITES) == 1

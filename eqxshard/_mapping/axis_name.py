@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from .chunks import _is_int
+from .chunks import is_int
 
 
 def check_axis_name_size(axis_name: Any, axis_size: Any, name: str) -> None:
@@ -21,7 +21,7 @@ def check_axis_name_size(axis_name: Any, axis_size: Any, name: str) -> None:
         )
     if axis_size is None:
         return
-    if not _is_int(axis_size):
+    if not is_int(axis_size):
         raise TypeError(
             f"`{name}(axis_size=...)` must be `None` or an int, got {axis_size!r} of type "
             f"{type(axis_size).__name__}."

@@ -98,7 +98,7 @@ def resolve_axes(tree: Any, axes: Any, what: str, name: str) -> list[_Axis]:
             f"structure, but it is not:\n  {e}\nGive one axis spec per argument, or a "
             "single spec for all of them."
         ) from None
-    bad = [a for a in resolved if a is not None and not _is_int(a)]
+    bad = [a for a in resolved if a is not None and not is_int(a)]
     if bad:
         raise TypeError(
             f"`{name}({what}=...)` must hold only `None`, ints and callables returning "
@@ -110,7 +110,8 @@ def resolve_axes(tree: Any, axes: Any, what: str, name: str) -> list[_Axis]:
 _WHAT = {"in_axes": "arguments tuple", "out_axes": "output"}
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
+    """Whether `x` is an int (Python's or NumPy's), not a bool."""
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
@@ -193,8 +194,10 @@ def check_mapped_leaves(
     return check_same_size(name, paths, sizes, what, row, fix)
 
 
-class _Trace:
-    """What one trace of `fun` returned besides mapped arrays: structure and statics."""
+class Trace:
+    """What one trace of `fun` returned besides mapped arrays (`vmapped_body` records one
+    per trace): the output's structure, its `out_axes`, its non-array leaves, and the
+    paths of its unmapped arrays (`out_axes=None`)."""
 
     def __init__(
         self, treedef: Any, axes: list[_Axis], statics: list[Any], unmapped_paths: list[str]
@@ -202,7 +205,22 @@ class _Trace:
         self.treedef, self.axes, self.statics = treedef, axes, statics
         self.unmapped_paths = unmapped_paths
 
-    def same_as(self, other: _Trace) -> bool:
+    def output(self, mapped: list[Any], unmapped: list[Any], moveaxis: Callable) -> Any:
+        """The output PyTree of this trace's structure: the `mapped` outputs (mapped axis
+        first) with that axis moved to its `out_axes` by `moveaxis` (`jnp.moveaxis` or
+        `np.moveaxis`), the `unmapped` arrays and the non-array leaves, in order."""
+        mapped_iter, unmapped_iter = iter(mapped), iter(unmapped)
+        leaves = []
+        for a, s in zip(self.axes, self.statics, strict=True):
+            if a is not None:
+                leaves.append(moveaxis(next(mapped_iter), 0, a))
+            elif s is None:
+                leaves.append(next(unmapped_iter))
+            else:
+                leaves.append(s)
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def same_as(self, other: Trace) -> bool:
         if self.treedef != other.treedef or self.axes != other.axes:
             return False
         return all(_same(a, b) for a, b in zip(self.statics, other.statics, strict=True))
@@ -215,17 +233,21 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _vmapped_body(
+def vmapped_body(
     fun: Callable,
     args_def: Any,
     leaves: list[Any],
     idx: list[int],
     out_axes: Any,
-    traces: list[_Trace],
+    traces: list[Trace],
     name: str,
     axis_name: Hashable = None,
 ) -> Callable:
-    """`vmap` of `fun` over the mapped leaves (at `idx`, mapped axis first)."""
+    """`vmap` of `fun` over the mapped leaves (at `idx` of `leaves`, mapped axis first),
+    as a function of those leaves returning the mapped outputs (each axis first) and the
+    unmapped ones. Each trace appends its `Trace` to `traces`; outputs not arrays or
+    lacking their `out_axes`, and `out_axes=None` outputs that vary with the rows, are
+    errors naming each, with `name` the verb."""
 
     def call(mapped: list[Any]) -> tuple[list[Any], list[Any]]:
         full = list(leaves)
@@ -269,7 +291,7 @@ def _vmapped_body(
             if a is None and eqx.is_array(x)
         ]
         unmapped_paths = ["out" + jtu.keystr(out_paths[i]) for i in unmapped_at]
-        traces.append(_Trace(jtu.tree_structure(out), axes, statics, unmapped_paths))
+        traces.append(Trace(jtu.tree_structure(out), axes, statics, unmapped_paths))
         mapped_out = [x for x, a in zip(out_leaves, axes, strict=True) if a is not None]
         return mapped_out, [out_leaves[i] for i in unmapped_at]
 
@@ -294,7 +316,7 @@ def _vmapped_body(
 
 
 def _varying_unmapped(
-    error: ValueError, vmapped: Callable, mapped: list[Any], traces: list[_Trace]
+    error: ValueError, vmapped: Callable, mapped: list[Any], traces: list[Trace]
 ) -> list[str]:
     """The paths of the `out_axes=None` outputs that vary with the mapped rows, found by
     reading the index JAX names and tracing again with it mapped, until JAX is content."""

@@ -12,12 +12,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from .._caches import register
 from .budget import AutoBatchSize
 from .programs import Programs
 
 # By (verb, mode, the function's key, options), least recently used first.
-_SHARED: OrderedDict[Any, tuple[Programs, AutoBatchSize | None, Slot | None]] = OrderedDict()
+SHARED: OrderedDict[Any, tuple[Programs, AutoBatchSize | None, Slot | None]] = OrderedDict()
 _SHARED_SIZE = 64
+register(SHARED.clear)
 
 
 class Slot:
@@ -33,8 +35,8 @@ class Slot:
 
 def _forget(ref: weakref.ref) -> None:
     """Drops the entries of a function that is gone (a weak reference's callback)."""
-    for key in [k for k in _SHARED if _holds(k, ref)]:
-        del _SHARED[key]
+    for key in [k for k in SHARED if _holds(k, ref)]:
+        del SHARED[key]
 
 
 def _holds(key: Any, ref: weakref.ref) -> bool:
@@ -68,7 +70,7 @@ def shared(
     name, rev, fun, has_aux, batch_size, memory_budget, mesh, axes = key
     try:
         key = (name, rev, _fun_key(fun), has_aux, batch_size, memory_budget, mesh, axes)
-        found = _SHARED.get(key)
+        found = SHARED.get(key)
         hashable = True
     except TypeError:
         found, hashable = None, False
@@ -76,9 +78,9 @@ def shared(
         auto = AutoBatchSize(name, memory_budget) if batch_size == "auto" else None
         found = (Programs(run), auto, Slot() if hashable else None)
         if hashable:
-            _SHARED[key] = found
-            while len(_SHARED) > _SHARED_SIZE:
-                _SHARED.popitem(last=False)
+            SHARED[key] = found
+            while len(SHARED) > _SHARED_SIZE:
+                SHARED.popitem(last=False)
     else:
-        _SHARED.move_to_end(key)
+        SHARED.move_to_end(key)
     return found

@@ -1,4 +1,8 @@
-"""`filter_stream`: `filter_map` for inputs on the host that do not fit on the devices."""
+"""`filter_stream`: `filter_map` for inputs on the host that do not fit on the devices.
+
+Its jitted chunk step is compiled once per kind of input and kept (`compiled_step`); the
+moves between host and devices are in `stream_host.py`.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +20,75 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from .._compat import is_tracer
 from .chunks import (
     IF_ARRAY_0,
+    Trace,
     check_batch_size,
     check_mapped_leaves,
     named_in_axes,
     resolve_axes,
+    vmapped_body,
 )
 from .stream_host import NAME, check_dtypes, host_chunk, output_to_host, rows_from_host
-from .stream_step import Step, compiled_step
+
+
+def _aval(x: Any) -> tuple[Any, ...]:
+    """What `jax.jit` compiles for: shape, dtype, weak type and sharding."""
+    return (
+        x.shape,
+        x.dtype,
+        getattr(x, "weak_type", False),
+        getattr(x, "sharding", None),
+    )
+
+
+def _hashable(tree: Any) -> tuple[Any, ...]:
+    leaves, treedef = jtu.tree_flatten(tree, is_leaf=lambda x: x is None)
+    return treedef, tuple(leaves)
+
+
+Step = tuple[Callable[..., Any], list[Trace]]
+
+
+def compiled_step(
+    cache: dict[Any, Step],
+    fun: Callable[..., Any],
+    args_def: Any,
+    static: list[Any],
+    idx: list[int],
+    const_idx: list[int],
+    out_axes: Any,
+    chunk: list[Any],
+    consts: list[Any],
+) -> Step:
+    """The jitted chunk step, cached as `eqx.filter_jit` does: keyed by the non-array
+    leaves (hashed) and the shapes, dtypes and shardings of the arrays. Unhashable
+    non-array leaves get a fresh step (compiled on each call)."""
+    key = (
+        args_def,
+        tuple((type(x), x) for x in static),
+        tuple(idx),
+        tuple(const_idx),
+        _hashable(out_axes),
+        tuple(_aval(x) for x in chunk),
+        tuple(_aval(x) for x in consts),
+    )
+    try:
+        hit = cache.get(key)
+    except Exception:  # unhashable, or `==` that does not return a bool
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    traces: list[Trace] = []
+
+    @jax.jit
+    def step(chunk: list[Any], consts: list[Any]) -> Any:
+        full = list(static)
+        for i, c in zip(const_idx, consts, strict=True):
+            full[i] = c
+        return vmapped_body(fun, args_def, full, idx, out_axes, traces, NAME)(chunk)
+
+    if key is not None:
+        cache[key] = (step, traces)
+    return step, traces
 
 
 def _run(
@@ -125,17 +191,7 @@ def _run(
                     out[start:stop] = y[: stop - start]
                 bar.update(stop - start)
         assert mapped_out is not None
-    first = traces[0]
-    mapped_iter, unmapped_iter = iter(mapped_out), iter(unmapped_out)
-    out_leaves = []
-    for a, s in zip(first.axes, first.statics, strict=True):
-        if a is not None:
-            out_leaves.append(np.moveaxis(next(mapped_iter), 0, a))
-        elif s is None:
-            out_leaves.append(np.asarray(next(unmapped_iter)))
-        else:
-            out_leaves.append(s)
-    return jtu.tree_unflatten(first.treedef, out_leaves)
+    return traces[0].output(mapped_out, [np.asarray(u) for u in unmapped_out], np.moveaxis)
 
 
 @overload

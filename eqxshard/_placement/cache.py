@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec, Sharding
 
 from .. import _compat
+from .._caches import register
 from . import place, staging, targets
 
 # Call signatures kept (the least recently used goes first); shapes kept per signature.
@@ -58,15 +59,20 @@ class Lookup(NamedTuple):
 
 NEVER = Lookup(None, None, None)
 
-_plans: OrderedDict[Hashable, tuple[tuple[int, ...], dict[Hashable, Moves]]] = OrderedDict()
+# The plans remembered, by call signature (see `lookup`), least recently used first.
+PLANS: OrderedDict[Hashable, tuple[tuple[int, ...], dict[Hashable, Moves]]] = OrderedDict()
 _jax_types: dict[type, bool] = {}  # whether a leaf type is a `jax.Array`
 _kinds: dict[type, int] = {}  # what `eqx.is_array` says of a type, and whether it is traced
 _counts = {"hits": 0, "misses": 0}
 
 
+@register
 def clear() -> None:
-    """Forgets every remembered plan (and the static fields its treedefs hold)."""
-    _plans.clear()
+    """Forgets every remembered plan (and the static fields its treedefs hold) and what
+    each leaf type is, and sets `counts` back to zero."""
+    PLANS.clear()
+    _jax_types.clear()
+    _kinds.clear()
     _counts.update(hits=0, misses=0)
 
 
@@ -132,7 +138,7 @@ def lookup(
             _compat.ambient_mesh(),
             _compat.context_abstract_mesh(),
         )
-        found = _plans.get(key)
+        found = PLANS.get(key)
     except Exception:  # unhashable or unusual targets, specs or static fields
         return NEVER
     if found is None:  # (a key found was stored with concrete leaves only: no check)
@@ -141,7 +147,7 @@ def lookup(
         indices = tuple(i for i, t in enumerate(types) if _kinds[t] == _ARRAY)
     else:
         with contextlib.suppress(KeyError):  # another thread may have dropped it since
-            _plans.move_to_end(key)
+            PLANS.move_to_end(key)
         indices = found[0]
     arrays = [leaves[i] for i in indices]
     shapes = (tuple(map(_shape, arrays)), tuple(map(_dtype, arrays)))
@@ -182,11 +188,11 @@ def store(found: Lookup, moves: Moves) -> None:
     if found.key is None or found.shapes is None:
         return
     indices, shapes = found.shapes  # pyright: ignore[reportGeneralTypeIssues]
-    entry = _plans.get(found.key)
+    entry = PLANS.get(found.key)
     if entry is None:
-        entry = _plans[found.key] = (indices, {})
-        while len(_plans) > MAX_PLANS:
-            _plans.popitem(last=False)
+        entry = PLANS[found.key] = (indices, {})
+        while len(PLANS) > MAX_PLANS:
+            PLANS.popitem(last=False)
     if len(entry[1]) >= MAX_PLANS:  # many shapes for one structure: start over
         entry[1].clear()
     entry[1][shapes] = moves

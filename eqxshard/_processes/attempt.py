@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO
 
-from .children import _POLL_S, _end_all, _exit_code, _Stopped
+from .children import POLL_S, Stopped, end_all, exit_code
 from .clusters import JOINED_LINE
 from .gloo_chatter import GlooChatter
 from .hosts import SSH_FAILED
@@ -208,7 +208,7 @@ def run_attempt(
         while remaining:
             try:
                 # Short waits: a blocking `get` would hold off Ctrl-C and the timeout.
-                index, returncode = exits.get(timeout=_POLL_S)
+                index, returncode = exits.get(timeout=POLL_S)
             except queue.Empty:
                 if deadline is not None and time.monotonic() >= deadline:
                     note(f"the run took longer than --timeout {timeout:g} s; ending every process")
@@ -241,7 +241,7 @@ def run_attempt(
                 template = " ".join(process.start.argv[: _template_length(process.start)])
                 why = f"`{template}` exited with {returncode}: {said}"
                 return Outcome(
-                    _exit_code(returncode),
+                    exit_code(returncode),
                     "unstarted",
                     f"cannot start {process.where()}: {why}; stopping the run ({others})",
                     host=process.start.host,
@@ -249,7 +249,7 @@ def run_attempt(
                     why=why,
                 )
             return Outcome(
-                _exit_code(returncode),
+                exit_code(returncode),
                 "failed",
                 f"{process.where()} exited with {how_it_ended(returncode)}; {others}",
                 host=process.start.host,
@@ -261,11 +261,11 @@ def run_attempt(
     except KeyboardInterrupt:
         note("interrupted; ending every process")
         return Outcome(INTERRUPT_EXIT, "interrupted")
-    except _Stopped as e:
+    except Stopped as e:
         note(f"got {e}; ending every process")
         return Outcome(128 + e.signum, "stopped")
     finally:
-        _end_all([p.popen for p in procs], grace)
+        end_all([p.popen for p in procs], grace)
         for t in threads:
             t.join(timeout=grace)
         for sig, handler in handlers.items():
@@ -281,4 +281,4 @@ def _template_length(start: Start) -> int:
 
 
 def _raise_stopped(signum: int, frame: object) -> None:
-    raise _Stopped(signum)
+    raise Stopped(signum)

@@ -29,7 +29,7 @@ from .clusters import (
 # JAX catches SIGTERM (it takes it as a preemption notice and carries on), so for a JAX
 # process the grace period is only a delay: kept short, a survivor ends about 1 s after a
 # process failed.
-_POLL_S = 0.05
+POLL_S = 0.05
 GRACE_S = 1.0
 
 
@@ -118,7 +118,7 @@ def child_command(command: Sequence[str]) -> list[str]:
     return command
 
 
-class _Stopped(Exception):
+class Stopped(Exception):
     """The launcher itself was asked to stop (SIGTERM, SIGHUP)."""
 
     def __init__(self, signum: int):
@@ -126,7 +126,7 @@ class _Stopped(Exception):
         self.signum = signum
 
 
-def _exit_code(returncode: int) -> int:
+def exit_code(returncode: int) -> int:
     """A child's return code as a process exit code (killed by signal N -> 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
 
@@ -151,12 +151,12 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def _end_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
+def end_all(procs: Sequence[subprocess.Popen], grace: float) -> None:
     """SIGTERM to every process still running, SIGKILL to those alive after `grace` s."""
     _signal_all(procs, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(_group_alive(p.pid) for p in procs) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
         for p in procs:
             p.poll()  # reap the child itself (the group's other members are not ours to reap)
     _signal_all(procs, signal.SIGKILL)

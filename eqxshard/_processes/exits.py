@@ -129,7 +129,7 @@ def end_on_system_exit(status: Any) -> None:
     _end_now(_status_code(status), f"SystemExit({status!r})")
 
 
-_PROMPT = False  # whether `_end_promptly_on_errors` ran in this process
+_PROMPT = False  # whether `end_promptly_on_errors` ran in this process
 
 
 def ends_promptly() -> bool:
@@ -138,7 +138,7 @@ def ends_promptly() -> bool:
     return _PROMPT
 
 
-def _end_promptly_on_errors() -> None:
+def end_promptly_on_errors() -> None:
     """Makes an uncaught exception and an uncaught `SystemExit` with a non-zero code end
     this process at once. On Python 3.11, `sys.exit(n)` only (see `_Exit`), and
     `raise SystemExit(n)` too where the launcher started the process (`run_main.py`)."""

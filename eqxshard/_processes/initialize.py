@@ -20,7 +20,7 @@ from .clusters import (
     NUM_PROCESSES_VAR as NUM_PROCESSES_VAR,
     PROCESS_ID_VAR as PROCESS_ID_VAR,
 )
-from .exits import _end_promptly_on_errors
+from .exits import end_promptly_on_errors
 
 
 def _check_count(join: clusters.Join) -> None:
@@ -210,5 +210,5 @@ def initialize(
     if jax.process_count() > 1:
         joining.after()
         if exit_on_error:
-            _end_promptly_on_errors()
+            end_promptly_on_errors()
     return join.how

@@ -15,7 +15,7 @@ from .._placement import committed, place, targets
 from .._placement.specs import check_specs
 from .._tree import Flat, leaf_error, pathstr
 from .axes import get_mesh, has_explicit, manual_axes
-from .specs import _check_out_specs, _check_spec_values, _specs_per_leaf, scalars_as_arrays
+from .specs import check_out_specs, check_spec_values, scalars_as_arrays, specs_per_leaf
 
 _VERB = "filter_shard_map"
 Specs = PartitionSpec | PyTree[PartitionSpec | NamedSharding | None] | Callable[[Any, Any], Any]
@@ -95,8 +95,8 @@ def _call(
     manual = manual_axes(mesh, axis_names, free)
     flat = Flat(scalars_as_arrays(args, in_specs, "in_specs"), is_array=_is_argument)
     targets.check_dtypes(_VERB, flat, flat.array_indices, _NOT_ARRAYS)
-    values = _specs_per_leaf(flat, in_specs, mesh, "in_specs")
-    specs = _check_spec_values(flat, values, mesh, manual, "in_specs", none_ok=True)
+    values = specs_per_leaf(flat, in_specs, mesh, "in_specs")
+    specs = check_spec_values(flat, values, mesh, manual, "in_specs", none_ok=True)
     check_specs(_VERB, flat, {i: (mesh, _plain(spec)) for i, spec in specs.items()})
     if manual == free and has_explicit(mesh, manual):
         # Mapped over every (non-`vmap`) axis of an Explicit mesh, `jax.shard_map` requires
@@ -131,11 +131,11 @@ def _call(
     def per_device(*local: Any) -> tuple[list[PartitionSpec], list[Any]]:
         out = fun(*flat.rebuild(dict(zip(indices, local, strict=True))))
         out_tree = Flat(scalars_as_arrays(out, out_specs, "out_specs"))
-        out_values = _specs_per_leaf(out_tree, out_specs, mesh, "out_specs")
-        out_specs_flat = _check_spec_values(
+        out_values = specs_per_leaf(out_tree, out_specs, mesh, "out_specs")
+        out_specs_flat = check_spec_values(
             out_tree, out_values, mesh, manual, "out_specs", none_ok=False
         )
-        _check_out_specs(out_tree, out_specs_flat, mesh)
+        check_out_specs(out_tree, out_specs_flat, mesh)
         out_flat[:] = [out_tree]
         return [out_specs_flat[i] for i in out_tree.array_indices], [
             out_tree.leaves[i] for i in out_tree.array_indices

@@ -53,7 +53,7 @@ def _is_entry(x: Any) -> bool:
     return _is_spec_leaf(x) or spec_tree.is_spec_form(x)
 
 
-def _specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: str) -> list[Any]:
+def specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: str) -> list[Any]:
     """One entry of `specs` per leaf of `flat`: a `PartitionSpec`, `None`, or a bad value.
     A rule or callable, alone or in a prefix tree, is asked for each array leaf's spec
     (with the leaf's path from the subtree it was given for)."""
@@ -76,7 +76,7 @@ def _specs_per_leaf(flat: Flat, specs: Any, mesh: Mesh | AbstractMesh, argname: 
     return out
 
 
-def _check_spec_values(
+def check_spec_values(
     flat: Flat,
     values: list[Any],
     mesh: Mesh | AbstractMesh,
@@ -85,7 +85,9 @@ def _check_spec_values(
     *,
     none_ok: bool,
 ) -> dict[int, PartitionSpec]:
-    """Each array leaf's `PartitionSpec`; raises naming every leaf whose spec is unusable."""
+    """Each array leaf's `PartitionSpec` from `values` (`specs_per_leaf`'s); raises naming
+    every leaf whose spec is unusable: not a spec, missing (`None` where `none_ok` is
+    false), a sharding on another mesh, or naming axes outside `manual`."""
     out: dict[int, PartitionSpec] = {}
     wrong_type: list[tuple[str, str]] = []
     missing: list[tuple[str, str]] = []
@@ -156,10 +158,10 @@ def _check_spec_values(
     return out
 
 
-def _check_out_specs(
-    flat: Flat, specs: dict[int, PartitionSpec], mesh: Mesh | AbstractMesh
-) -> None:
-    """Outputs are joined, not split: only axis names, repeats and rank can be wrong."""
+def check_out_specs(flat: Flat, specs: dict[int, PartitionSpec], mesh: Mesh | AbstractMesh) -> None:
+    """Raises naming every output whose spec names axes the mesh lacks, uses an axis
+    twice, or has more entries than the output has dims. (Outputs are joined, not
+    split: nothing else about them can be wrong.)"""
     unknown, repeated, rank = [], [], []
     sizes = dict(mesh.shape)
     for i, spec in specs.items():

@@ -19,12 +19,12 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from .._caches import register
 from .._compat import is_tracer, tracing_on
 from .._placement import place as _place
 from .._tree import Flat, is_array_like, leaf_error
 from . import donate as _donate, layouts as _layouts
-from .leaves import UNSET
-from .static import call_path
+from .leaves import UNSET, call_path
 
 
 class Static(eqx.Module):
@@ -35,11 +35,13 @@ class Static(eqx.Module):
 
 # One traced function per static part of a call (and per `filter_jit` configuration):
 # shared by every wrapper of an equal function, as `eqx.filter_jit` shares its cache.
-_FUNS: dict[Any, Any] = {}
+FUNS: dict[Any, Any] = {}
+# One `jax.jit` per traced function and arguments to `jax.jit`.
+JITS: dict[Any, Any] = {}
+register(FUNS.clear)
+register(JITS.clear)
 _NEVER: Any = object()  # no input seen laid out as asked yet
 _SHARDING = operator.attrgetter("sharding")
-# One `jax.jit` per traced function and arguments to `jax.jit`.
-_JITS: dict[Any, Any] = {}
 
 
 class Entry:
@@ -72,7 +74,7 @@ def traced_fun(
 ) -> Any:
     """The function `jax.jit` traces for a call: `fun(*args, **kwargs)` from the array
     leaves, traced with `mesh` (`filter_jit`'s) in context where JAX needs it there."""
-    found = _FUNS.get(key)
+    found = FUNS.get(key)
     if found is not None:
         return found
 
@@ -88,7 +90,7 @@ def traced_fun(
         return arrays, Static((out_def, rest))
 
     fun.__name__, fun.__qualname__ = name
-    _FUNS[key] = fun
+    FUNS[key] = fun
     return fun
 
 
@@ -166,9 +168,9 @@ def build(
         tuple(map(tuple, kw.get("in_shardings", ()))),
         tuple(kw.get("out_shardings", ((),))[0]),
     )
-    jitted = _JITS.get(jit_key)
+    jitted = JITS.get(jit_key)
     if jitted is None:
-        jitted = _JITS[jit_key] = jax.jit(traced, **kw)
+        jitted = JITS[jit_key] = jax.jit(traced, **kw)
     entry.jitted = jitted
     return entry, dynamic
 

@@ -26,7 +26,7 @@ from .._placement import (
     targets as _targets,
 )
 from .._tree import Flat, Path, is_array_like, leaf_error, pathstr
-from .static import call_path
+from .leaves import call_path
 
 _FIXED = (Mesh, AbstractMesh, Sharding, jax.Device)
 
@@ -34,6 +34,24 @@ _FIXED = (Mesh, AbstractMesh, Sharding, jax.Device)
 def is_layout_leaf(x: Any) -> bool:
     """A leaf of an `in_shardings`/`out_shardings` prefix tree."""
     return isinstance(x, _FIXED) or _spec_tree.is_spec_form(x)
+
+
+def check_layouts(value: Any, argname: str) -> None:
+    """Raises, naming each leaf of `value` (`in_shardings` or `out_shardings`, as
+    `argname` says) that is not a layout, when `filter_jit` is made."""
+    entries = jax.tree_util.tree_flatten_with_path(value, is_leaf=is_layout_leaf)[0]
+    bad = [(pathstr(p), f"{type(x).__name__} {x!r}") for p, x in entries if not is_layout_leaf(x)]
+    if bad:
+        raise TypeError(
+            leaf_error(
+                f"`filter_jit` takes `{argname}` as a layout or a prefix tree of them, but "
+                "this tree has other leaves:",
+                bad,
+                "A layout is a Sharding, a Device, a Mesh (replicated), a PartitionSpec, a rule "
+                "(`fsdp`, `path_rules`, `like`, ...), a callable `(path, leaf) -> PartitionSpec "
+                "| None`, or `None` (leave alone).",
+            )
+        )
 
 
 def _spread(tree: Any, layouts: Any, argname: str) -> list[tuple[Path, Any]]:

@@ -16,13 +16,11 @@ import equinox as eqx
 import jax
 
 from .._tree import Flat, is_array_like
-from . import sharding_note as _sharding_note
-from .call import _bind, _Config, _JitWrapper, entry_of, run
 from .entry import Entry, lay_out, output
-from .jit import filter_jit
+from .jit import Config, JitWrapper, entry_of, explained, filter_jit, run
 from .leaves import UNSET, Split
 
-_DEFAULT = _Config("none", None, None, None, True)  # `filter_jit()`'s options
+_DEFAULT = Config("none", None, None, None, True)  # `filter_jit()`'s options
 
 
 class _Found:
@@ -148,11 +146,11 @@ class StepLoop:
         inner = _bound_wrapper(step)
         if inner is not None:
             step, self._bound = inner
-        compiled: Any = step if isinstance(step, _JitWrapper) else filter_jit(step)
-        self._step: _JitWrapper = compiled
+        compiled: Any = step if isinstance(step, JitWrapper) else filter_jit(step)
+        self._step: JitWrapper = compiled
         self._n = carry
         self._found: dict[Any, _Found] = {}
-        fixed = (self._step._fun, self._bound)
+        fixed = (self._step.fun, self._bound)
         self._fun_dynamic = Split(jax.tree_util.tree_leaves(fixed)).dynamic
         self._set_state(tuple(state))
 
@@ -178,7 +176,7 @@ class StepLoop:
         leaves, treedef = jax.tree_util.tree_flatten(batch)
         split = Split(leaves)
         _not_traced(split)
-        per_signature = self._step._config.per_signature
+        per_signature = self._step.config.per_signature
         key = (self._token, treedef, split.static, split.signature() if per_signature else None)
         try:
             found = self._found.get(key)
@@ -190,7 +188,7 @@ class StepLoop:
         else:
             dynamic = self._fun_dynamic + self._state_dynamic + split.dynamic
             rebuild = lambda: Flat.of_leaves(found.leaves(dynamic), found.treedef, found.is_array)
-            dynamic = lay_out(found.entry, self._step._config, dynamic, False, rebuild)
+            dynamic = lay_out(found.entry, self._step.config, dynamic, False, rebuild)
         out = run(found.entry, found.entry.runs_of(dynamic))
         n = self._n
         if found.n_state is None:
@@ -214,11 +212,11 @@ class StepLoop:
         """The first call of a batch structure and signature: `filter_jit`'s own entry,
         and how the step's outputs split into the next state and the rest."""
         step, n = self._step, self._n
-        args, kwargs = _bind(step, (*self._bound, *self.state, *batch), {})
-        with _sharding_note.explained(step._config, args, kwargs):
+        args, kwargs = step.bind((*self._bound, *self.state, *batch), {})
+        with explained(step.config, args, kwargs):
             entry, dynamic = entry_of(step, args, kwargs)
             abstract = output(entry.jitted.trace(*entry.runs_of(dynamic)).out_info)
-        leaves, treedef = jax.tree_util.tree_flatten((step._fun, args, kwargs))
+        leaves, treedef = jax.tree_util.tree_flatten((step.fun, args, kwargs))
         static = Split(leaves).static
         if not n:  # nothing carried: the output is returned as it is
             aux_leaves, aux_def = jax.tree_util.tree_flatten(abstract)
@@ -244,13 +242,13 @@ class StepLoop:
         return _Found(entry, treedef, static, (aux_def, aux_static), n_state), dynamic
 
 
-def _bound_wrapper(step: Any) -> tuple[_JitWrapper, tuple] | None:
+def _bound_wrapper(step: Any) -> tuple[JitWrapper, tuple] | None:
     """The `filter_jit` wrapper of a bound method decorated in the class body and the
     arguments bound to it (the module): from `model.step`, or from `filter_jit(model.step)`
     with no options (whose `jit` would only wrap the inner one)."""
-    if isinstance(step, _JitWrapper) and step._config == _DEFAULT:
-        step = step._fun
-    if isinstance(step, eqx.Partial) and isinstance(step.func, _JitWrapper) and not step.keywords:
+    if isinstance(step, JitWrapper) and step.config == _DEFAULT:
+        step = step.fun
+    if isinstance(step, eqx.Partial) and isinstance(step.func, JitWrapper) and not step.keywords:
         return step.func, tuple(step.args)
     return None
 
