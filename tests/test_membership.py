@@ -127,12 +127,20 @@ def test_a_host_that_cannot_be_started_is_left_out_at_once(tmp_path: Path, capfd
         "1 process on 1 host (--min-hosts 1)"
     ) in err
     assert "[launch] 1 processes on 1 hosts, coordinator a:" in err
-    code = launcher.launch([str(script)], hosts=["a", "hostX"], remote=remote, timeout=60)
-    assert code == 255
-    assert (
-        "hostX` exited with 255: ssh: connect to host hostX port 22: No route to host; "
-        "stopping the run" in capfd.readouterr().err
-    )
+    for min_hosts in (None, 2):  # every host needed: the run stops, saying it fell below
+        code = launcher.launch(
+            [str(script)], hosts=["a", "hostX"], remote=remote, min_hosts=min_hosts, timeout=60
+        )
+        assert code == 255
+        err = capfd.readouterr().err
+        assert (
+            "hostX` exited with 255: ssh: connect to host hostX port 22: No route to host; "
+            "stopping the run" in err
+        )
+        assert (
+            "[launch] only 1 of 2 hosts can be started (a), fewer than --min-hosts 2; stopping "
+            "the run. Left out: hostX (it cannot be started: " in err
+        )
 
 
 def test_a_probe_interrupted_while_waiting_is_ended_and_its_pipe_closed(

@@ -214,6 +214,11 @@ def launch(
         if outcome.kind != "failed" or restart >= max_restarts:
             if outcome.message:
                 note(outcome.message)
+            if outcome.kind == "unstarted" and hosts is not None and outcome.host is not None:
+                # Every host is needed (`min_hosts` is the host count): say that it is the
+                # minimum the run fell below, as a run that may shrink says it.
+                members.leave_out(outcome.host, f"it cannot be started: {outcome.why}")
+                note(members.too_few())
             if outcome.kind == "failed" and max_restarts:
                 note(f"no restarts left (--max-restarts {max_restarts}); the run failed")
             return outcome.code
