@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 
+from ...._caches import register
 from ...._tree import is_array_like
 from ..result import Candidate
 from ..trace.problem import Problem
@@ -29,6 +30,7 @@ from .jobs import Job, assign_keys, measure_all
 
 # Figures drawn through two compiles, per job key; never mistaken for a compile.
 ESTIMATES: dict[Any, tuple[Measurement, str]] = {}
+register(ESTIMATES.clear)
 
 # An estimate within this fraction of the budget, or of the fastest step, is compiled.
 MARGIN = 0.1

@@ -22,7 +22,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from ...._pipeline.configure import configure, configure_like, stacks
 from ...._pipeline.stage_major import with_mesh_set
-from ...._placement import place as place_
+from ...._placement import place
 from ...._placement.put import filter_put
 from ...._step.pinned import PinnedOp, pinned_ops
 from ...._tree import is_array_like
@@ -87,7 +87,7 @@ def _constrain(tree: Any, shardings: Any) -> Any:
     wanted, _ = eqx.partition(shardings, lambda s: isinstance(s, jax.sharding.Sharding))
     try:
         arrays = jax.tree.map(
-            lambda x, s: x if s is None else place_.relayout(x, s),
+            lambda x, s: x if s is None else place.relayout(x, s),
             arrays,
             wanted,
             is_leaf=lambda x: x is None,

@@ -16,13 +16,13 @@ import tqdm
 
 from ...._tree import is_array_like
 from ..layout import Layout, batch_axes, batch_spec
-from ..meshes import mesh_for as _mesh
+from ..meshes import mesh_for
 from ..scale import extrapolate
-from ..trace import arguments as args_
+from ..trace.arguments import over_budget
 from ..trace.problem import Problem
 from ..view import mesh_str
 from . import compile_remote
-from .cache import CACHE as _CACHE, hashable as _hashable, shapes_key as _shapes_key
+from .cache import CACHE, hashable, shapes_key
 from .compiled import Placed, compile_here, step_arguments
 
 
@@ -79,7 +79,7 @@ def laid_out(
         why = f"the batch of {size} does not split over {ways} devices ({' x '.join(axes)})"
         return Job(layout, {}, rejected=why)
     try:
-        mesh = _mesh(shape, available)
+        mesh = mesh_for(shape, available)
         big = step_arguments(
             problem,
             mesh,
@@ -106,7 +106,7 @@ def laid_out(
         kept += _largest_inexact(big.args[0]) - exact["gradients"]
     if kept > budget:
         why = (
-            f"{args_.over_budget(kept, budget)} before activations (parameters, optimiser "
+            f"{over_budget(kept, budget)} before activations (parameters, optimiser "
             "state, batch and the largest gradient)"
         )
         return Job(layout, exact, rejected=why, host=host)
@@ -117,7 +117,7 @@ def laid_out(
     batch = _resize_batch(problem.batch, size // ways * small_ways)
     placed = step_arguments(
         problem,
-        _mesh(small, available),
+        mesh_for(small, available),
         layout.rules,
         batch,
         batch_spec(small),
@@ -135,7 +135,7 @@ def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
     for job in jobs:
         if job.compile_shape is None or job.placed is None:
             continue
-        user = _hashable(job.layout.rules) if job.layout.name.startswith("rules") else None
+        user = hashable(job.layout.rules) if job.layout.name.startswith("rules") else None
         # A size-1 axis changes nothing in the compiled program: `data=1 x fsdp=2 x
         # model=4` (a DP x FSDP x TP mesh shrunk) is the FSDP x TP mesh `fsdp=2 x
         # model=4`, compiled once for both (a third of the 7B search's compiles).
@@ -148,7 +148,7 @@ def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
             job.layout.offload,
             job.layout.remat,
             job.layout.pipeline,
-            _shapes_key(job.placed.args[2]),
+            shapes_key(job.placed.args[2]),
         )
         count = math.prod(job.compile_shape.values())
         job.where = (
@@ -183,7 +183,7 @@ def measure_all(
     assign_keys(problem_key, jobs, local)
     pending: dict[Any, Job] = {}
     for job in jobs:
-        if job.key is not None and job.key not in _CACHE:
+        if job.key is not None and job.key not in CACHE:
             pending.setdefault(job.key, job)
     here = [j for j in pending.values() if math.prod(j.compile_shape.values()) <= local]  # type: ignore[union-attr]
     remote = [j for j in pending.values() if j not in here]
@@ -196,7 +196,7 @@ def measure_all(
                 continue
             bar.set_postfix_str(f"{job.layout.name} {mesh_str(job.compile_shape)}")
             start = time.perf_counter()
-            _CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
+            CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
             seconds = max(seconds, time.perf_counter() - start)
             bar.update()
             if k == 0 and running is None:
@@ -206,12 +206,12 @@ def measure_all(
                     running = compile_remote.start(problem, work)  # type: ignore[arg-type]
         if running is not None:
             for job, measured in zip(alongside, compile_remote.finish(running), strict=True):
-                _CACHE[job.key] = measured
+                CACHE[job.key] = measured
                 bar.update()
         if remote:
             work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
             for job, measured in zip(
                 remote, compile_remote.compile_all(problem, work), strict=True
             ):  # type: ignore[arg-type]
-                _CACHE[job.key] = measured
+                CACHE[job.key] = measured
                 bar.update()

@@ -14,7 +14,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from .. import links as links_
+from ..links import DEFAULT_LINK, LINKS, Link, as_link
 
 # The extra "axis" a user may give a link for in `links=`: device <-> host memory.
 HOST_LINK = "host"
@@ -48,7 +48,7 @@ def crossing(shape: Mapping[str, int], devices_per_node: int) -> tuple[str, ...]
     return tuple(out)
 
 
-def resolve(links: Any, axes: tuple[str, ...]) -> dict[str, links_.Link]:
+def resolve(links: Any, axes: tuple[str, ...]) -> dict[str, Link]:
     """`links` as {name: Link} for the names it gives (every axis, not `host`, for one
     preset or `Link`); raises for unknown axes or presets."""
     if links is None:
@@ -60,21 +60,18 @@ def resolve(links: Any, axes: tuple[str, ...]) -> dict[str, links_.Link]:
             raise ValueError(
                 f"`auto_plan(links=...)` names axes {unknown}; the axes are {list(axes)} "
                 f"and {HOST_LINK!r} (device <-> host memory). Give a link for some of these (the "
-                f"others get {links_.DEFAULT_LINK!r}, 'inter_node' for axes across nodes)."
+                f"others get {DEFAULT_LINK!r}, 'inter_node' for axes across nodes)."
             )
-        return {a: links_.as_link(v, f"`links[{a!r}]`") for a, v in links.items()}
-    return dict.fromkeys(axes, links_.as_link(links, "`links`"))
+        return {a: as_link(v, f"`links[{a!r}]`") for a, v in links.items()}
+    return dict.fromkeys(axes, as_link(links, "`links`"))
 
 
 def axis_links(
-    shape: Mapping[str, int], given: Mapping[str, links_.Link], devices_per_node: int
-) -> dict[str, links_.Link]:
+    shape: Mapping[str, int], given: Mapping[str, Link], devices_per_node: int
+) -> dict[str, Link]:
     """The link of each axis of `shape` and of `host`: the user's where given, else
     `inter_node` for the axes that cross nodes and `intra_node` for the others."""
     across = crossing(shape, devices_per_node)
-    out = {
-        a: given.get(a, links_.LINKS["inter_node" if a in across else links_.DEFAULT_LINK])
-        for a in shape
-    }
-    out[HOST_LINK] = given.get(HOST_LINK, links_.LINKS[HOST_LINK])
+    out = {a: given.get(a, LINKS["inter_node" if a in across else DEFAULT_LINK]) for a in shape}
+    out[HOST_LINK] = given.get(HOST_LINK, LINKS[HOST_LINK])
     return out

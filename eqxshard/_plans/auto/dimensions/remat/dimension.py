@@ -9,7 +9,7 @@ from typing import Any
 
 from ...candidate import Candidate
 from ...layout import Layout
-from ...measure.batch_proxies import measured as measured_figures
+from ...measure import batch_proxies
 from ..base import Dimension, Measured, Search
 from ..offload import after_remat, supported
 from . import per_stack, policies
@@ -47,7 +47,7 @@ class Remat(Dimension):
             for job, (v, _, base) in zip(jobs, todo, strict=True):
                 # A pipeline's compute is the model's flops, times what the remat adds.
                 first = search.row(job, stacks.recomputed(v.remat, ()) if v.pipeline else 1.0)
-                apart = getattr(measured_figures(job), "host_temp", 0)
+                apart = getattr(batch_proxies.measured(job), "host_temp", 0)
                 said = policies.described(
                     first,
                     v,

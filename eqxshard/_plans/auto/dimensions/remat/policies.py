@@ -35,9 +35,9 @@ import dataclasses
 from typing import Any
 
 from ....._tree import format_bytes
-from ... import links as links_
 from ...candidate import Candidate, not_compiled
 from ...layout import Layout
+from ...links import Link, host_round_trip
 from ...view import seconds_str
 from .residuals import RematTrace
 
@@ -130,7 +130,7 @@ def described(
     traced: RematTrace,
     *,
     budget: int,
-    links: dict[str, links_.Link],
+    links: dict[str, Link],
     apart: int = 0,
 ) -> Candidate:
     """A compiled remat row saying what it chose and why: the matmul flops it adds (by
@@ -165,7 +165,7 @@ def described(
     extra = max(traced.recomputed(v.remat), 1.0) - 1
     said = [f"{head}: {fit}; {without}", f"recomputes {extra:.0%} more matmul flops than no remat"]
     if policy == "offload":
-        trips = links_.host_round_trip(held, links)
+        trips = host_round_trip(held, links)
         host_time += trips
         said.append(
             f"{format_bytes(held)} of activations per device in host memory{bound}, "

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ... import links as links_
 from ...candidate import Candidate, not_compiled
 from ...layout import Layout
+from ...links import Link, seconds
 from ...measure.jobs import Job
 from ...scale.extrapolate import stage_mesh_devices
 from ...view import seconds_str
@@ -66,19 +66,17 @@ def compilable(layouts: list[Layout], reach: int) -> tuple[list[Layout], list[Ca
     return _leave_out(layouts, why)
 
 
-def floor(
-    job: Job, flops: float, n: int, flops_per_second: float, links: dict[str, links_.Link]
-) -> float:
+def floor(job: Job, flops: float, n: int, flops_per_second: float, links: dict[str, Link]) -> float:
     """Seconds no step of `job`'s stage layout can beat: its compute over `1 - bubble`, and
     the all-reduce of its gradients over `data`."""
     layout = job.layout
     assert layout.pipeline is not None
     share = bubble(layout.shape[AXIS], *layout.pipeline)
-    seconds = flops / n / flops_per_second / (1 - share)
+    total = flops / n / flops_per_second / (1 - share)
     data = layout.shape.get("data", 1)
     if data > 1 and "gradients" in job.exact:
-        seconds += links_.seconds("all-reduce", job.exact["gradients"], data, ("data",), links)
-    return seconds
+        total += seconds("all-reduce", job.exact["gradients"], data, ("data",), links)
+    return total
 
 
 def dominated(layout: Layout, floor_: float, best: float) -> Candidate:
@@ -120,7 +118,7 @@ def worth(
     flops: float,
     n: int,
     flops_per_second: float,
-    links: dict[str, dict[str, links_.Link]],
+    links: dict[str, dict[str, Link]],
 ) -> tuple[list[Job], list[Candidate]]:
     """The scaled stage jobs worth compiling (their floor beats `best`, the fastest layout
     that fits; all of them when none fits), and a row for each of the others. `links`:

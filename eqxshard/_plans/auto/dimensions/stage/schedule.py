@@ -33,9 +33,9 @@ from ....._tree import format_bytes
 from ....fsdp import fsdp
 from ....rules import as_rule, first
 from ....stages import stages as stages_rule
-from ... import links as links_
 from ...candidate import Candidate, not_compiled
 from ...layout import Layout
+from ...links import Link
 from ...trace.phase import STAGE_AXIS
 from ...view import seconds_str
 from ..data_fsdp_tensor import factorisations, family, mesh_shape
@@ -74,7 +74,7 @@ def note(stages: int, schedule: tuple[int, int]) -> str:
     return f"{_name(schedule, stages)}: bubble {share:.0%}"
 
 
-def _estimate(stages: int, schedule: tuple[int, int], work: float, link: links_.Link) -> float:
+def _estimate(stages: int, schedule: tuple[int, int], work: float, link: Link) -> float:
     """Seconds of a step by arithmetic alone: the work over `1 - bubble`, and a permute's
     latency at each tick, forward and backward."""
     share = bubble(stages, *schedule)
@@ -82,7 +82,7 @@ def _estimate(stages: int, schedule: tuple[int, int], work: float, link: links_.
 
 
 def layouts(
-    model: Any, n: int, *, size: int, flops: float, flops_per_second: float, link: links_.Link
+    model: Any, n: int, *, size: int, flops: float, flops_per_second: float, link: Link
 ) -> tuple[list[Layout], list[Candidate]]:
     """The pipeline layouts worth compiling for `n` devices and a batch of `size`, and a
     row for each schedule left out, saying why. `flops` is the step's matmul flops, and
@@ -172,7 +172,7 @@ def timed(
     return dataclasses.replace(c, compute_time=compute, time=time)
 
 
-def why_chosen(table: list[Candidate], links: dict[str, dict[str, links_.Link]]) -> list[Candidate]:
+def why_chosen(table: list[Candidate], links: dict[str, dict[str, Link]]) -> list[Candidate]:
     """The chosen row, when it pipelines, says what it beat: the fastest fitting layout
     without stages, and the link its collectives cross (`links`: by mesh, as `repr`)."""
     chosen = table[0]
