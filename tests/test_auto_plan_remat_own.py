@@ -143,7 +143,7 @@ def test_rows_not_compiled_show_no_estimate_mark_and_a_slower_offload_says_why()
     assert not row.estimated and row.total_bytes is None
     table = ranked([candidate_row("DP", 1 << 20, True), estimated, row], 2 << 20)
     plan = eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P("data"), table=table)
-    _, body = view.rows(plan)
+    _, body = view.rows(plan.table)
     assert body[2][1] == "TP + remat dots" and "~-" not in body[2]
     assert body[1][-4].startswith("~")  # the estimated total keeps its mark
     fast, slow = (

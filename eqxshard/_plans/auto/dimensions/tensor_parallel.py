@@ -1,10 +1,9 @@
 """Tensor parallelism found from the model's structure and shapes: the rule that splits its
 matmul weights over the `model` axis.
 
-The width `W` of the
-residual stream is the embedding size (or the input size of the first `Linear`); a
-`Linear` or `Embedding` weight `(out, in)` that reads `W` (`in == W`) is an
-in-projection, split on its output dim; one that writes `W` (`out == W`) is an
+The width `W` of the residual stream is the embedding size (or the input size of the
+first `Linear`); a `Linear` or `Embedding` weight `(out, in)` that reads `W` (`in == W`)
+is an in-projection, split on its output dim; one that writes `W` (`out == W`) is an
 out-projection, split on its input dim. Square `W x W` weights that share a parent
 module (attention's query, key, value and output projections) are in-projections but the
 last, which is their out-projection. Each in/out pair then needs one collective (an

@@ -159,7 +159,7 @@ def step_arguments(
 ) -> Placed:
     """The candidate's arguments laid out on `mesh`; with `offload`, the optimiser state
     in pinned host memory (`opt_state` bytes are then host bytes); with `remat` or
-    `pipeline`, the model's `Stacked` layers configured so (`stages.configured`); with
+    `pipeline`, the model's `Stacked` layers configured so (`configured`); with
     `in_step` (the step calls `filter_pipeline` itself), nothing configured and `mesh`
     set while the step traces."""
     model = configured(problem.model, mesh, remat, None if in_step else pipeline)

@@ -4,7 +4,7 @@ The smaller mesh has the same batch per device. Its `data` axis shrinks first (t
 need be): that changes nothing on any one device, only the gradients' all-reduce over
 `data`, whose bytes are known (the gradient bytes per device), so the figures stay
 exact. Only then do `fsdp` and `model` shrink (kept at 2 or more while they can). A
-`stage` axis never shrinks (`stages_scaled`): each device keeps its layers and
+`stage` axis never shrinks (`dimensions/stage/scaled.py`): each device keeps its layers and
 microbatches, and its permutes go to the same neighbours; such a mesh shrinks to its
 stage axis with `fsdp` and `model` at 2, so that one compile serves every mesh of as many
 stages with the same axes (and the compile is small). What changes, and how:
@@ -48,7 +48,7 @@ def reduced_shape(shape: dict[str, int], limit: int) -> dict[str, int]:
     """`shape` shrunk by prime factors until it has at most `limit` devices: `data`
     first, then `fsdp` and `model` kept at 2 or more while they can be; `stage` kept,
     and a mesh with one shrunk to `stage_mesh_devices` (one over `limit` is not scaled:
-    `stages_scaled.compilable`)."""
+    `dimensions.stage.scaled.compilable`)."""
     small = dict(shape)
     if "stage" in shape:  # one compile for every mesh of this many stages and axes
         limit = min(limit, stage_mesh_devices(shape))

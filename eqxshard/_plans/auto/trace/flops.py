@@ -51,5 +51,5 @@ def loop_ratio(step: Any, *args: Any) -> float:
 
 def matmul_flops(step: Any, *args: Any) -> float:
     """The step's matmul flops over the whole batch, every scan's length counted: what a
-    pipeline's stages share out (the time model of `stages`)."""
+    pipeline's stages share out (the time model of `dimensions/stage/schedule.py`)."""
     return jaxpr_matmul_flops(eqx.filter_make_jaxpr(step)(*args)[0].jaxpr, loops=True)

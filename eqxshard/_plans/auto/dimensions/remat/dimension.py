@@ -13,10 +13,8 @@ from ...measure import batch_proxies
 from ..base import Dimension, Measured, Search
 from ..offload import after_remat, supported
 from . import per_stack, policies
+from .policies import Variant
 from .residuals import RematTrace
-
-# A remat variant, its base layout and its base row.
-Variant = tuple[Layout, Layout, Candidate]
 
 
 class Remat(Dimension):

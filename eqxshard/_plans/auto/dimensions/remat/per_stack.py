@@ -4,7 +4,7 @@ largest first, as few as make a layout fit.
 A model with several `eqxshard.Stacked` layers (a wide encoder's and a narrow decoder's,
 say) need not rematerialise all of them: each stack left alone recomputes nothing. What
 each stack keeps on the device for the backward pass is read from the step's jaxpr
-(`remat_traced`), with the model's own setting and with the policy; their difference is
+(`residuals`), with the model's own setting and with the policy; their difference is
 what the policy saves on that stack (for `"offload"`, what it keeps in host memory is not
 counted as saved twice: it is not on the device). When the layout compiled with the policy
 on every stack fits, the bytes that compile saved (against the layout with the model's

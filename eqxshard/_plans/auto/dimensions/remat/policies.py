@@ -15,11 +15,11 @@ by arithmetic before anything is compiled:
 The layouts without remat keep each stack's own `remat` (`eqxshard.Stacked(...,
 remat="full")`, say): that is the baseline. A policy that keeps no fewer bytes on the
 device for the backward pass than the model's own setting, by the step's jaxpr
-(`remat_traced`), saves nothing: it is dominated, and its rows say so, not compiled.
+(`residuals`), saves nothing: it is dominated, and its rows say so, not compiled.
 
 Each policy is first given to every stack of the model; where that fits and the model has
 several stacks, only those whose activations are largest are then tried with it
-(`remat_mix`). The recomputed flops are read from the step's jaxpr (its matmul flops,
+(`per_stack`). The recomputed flops are read from the step's jaxpr (its matmul flops,
 every layer counted, over those without remat: the compiled program's `cost_analysis()`
 counts a scanned layer once). `"offload"` keeps the matmul outputs it saves in host
 memory (the row's `host_bytes`), and they cross the `host` link out and back each step.

@@ -5,7 +5,7 @@ stage count `S > 1` that divides the devices and every stack's layer count gets 
 `stage x data x fsdp x model` (the stage axis outermost, so that it is the one crossing
 nodes): the stacks' layer dims split over `stage` (the `stages` rule), their other dims
 and every other leaf laid out as on the `data x fsdp x model` mesh of the rest (FSDP or
-replicated; with `model`, tensor parallel, `stages_tp`, for models with such weights).
+replicated; with `model`, tensor parallel, `tensor_parallel`, for models with such weights).
 The optimiser state's copies of the stacks are split over `stage` as the stacks are.
 
 Each such mesh could run a few microbatch counts `M` (`S`, `2S`, `4S`, as the batch on a
