@@ -60,11 +60,10 @@ class Measured:
     rows: tuple[Candidate, ...]
 
     def plus(self, jobs: Any = (), rows: Any = ()) -> Measured:
+        """More rows (and the jobs of the first of them, while every row so far is a
+        job's: compiled layouts come before the rows of layouts left out)."""
+        assert not jobs or len(self.jobs) == len(self.rows), "jobs after rows of no job"
         return Measured(self.jobs + tuple(jobs), self.rows + tuple(rows))
-
-    def fastest(self) -> float | None:
-        """The step time of the fastest row that fits (`None`: none fits)."""
-        return min((c.time for c in self.rows if c.fits and c.time), default=None)
 
     def measured_rows(self) -> list[tuple[Job, Candidate]]:
         """Each compiled job with its row."""
