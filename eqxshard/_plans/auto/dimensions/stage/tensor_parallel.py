@@ -5,8 +5,9 @@ Each stack's leaves are split over `stage` on their layer dim (the `stages` rule
 each layer's matmul weights over `model` as on the mesh without stages
 (`dimensions/tensor_parallel.py`: in-projections on their output dim, out-projections on
 their input dim, and over `fsdp` on their other dim when the mesh has one); the leaves
-outside the stacks (embedding, head) are laid out as on that mesh. A mesh where `model` splits no weight of a stack
-is left out: a stage there would hold its layers whole on every device of `model`.
+outside the stacks (embedding, head) are laid out as on that mesh. A mesh where `model`
+splits no weight of a stack is left out: a stage there would hold its layers whole on
+every device of `model`.
 """
 
 from __future__ import annotations
