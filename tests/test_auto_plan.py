@@ -15,10 +15,10 @@ from helpers import kept_layout_total, mse_step
 from jax.sharding import AbstractMesh, AxisType, NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import jobs as jobs_module
-from eqxshard._plans.auto.candidates import tensor_parallel_roles
-from eqxshard._plans.auto.collectives import collectives
-from eqxshard._plans.auto.extrapolate import reduced_shape
+from eqxshard._plans.auto.dimensions.tensor_parallel import tensor_parallel_roles
+from eqxshard._plans.auto.measure import jobs
+from eqxshard._plans.auto.measure.collectives import collectives
+from eqxshard._plans.auto.scale.extrapolate import reduced_shape
 
 OPTIMIZER = optax.adamw(1e-2)
 # Parameters, gradients and AdamW's state replicated take 1.03 MiB: data parallel does
@@ -156,8 +156,8 @@ def test_init_is_born_in_the_layout_shard_gives(plan):
 
 def test_second_call_compiles_nothing(plan, monkeypatch):
     calls = []
-    original = jobs_module.compile_here
-    monkeypatch.setattr(jobs_module, "compile_here", lambda *a: calls.append(a) or original(*a))
+    original = jobs.compile_here
+    monkeypatch.setattr(jobs, "compile_here", lambda *a: calls.append(a) or original(*a))
     again = auto_plan()
     assert not calls
     assert [(c.name, c.mesh_shape, c.total_bytes) for c in again.table] == [
@@ -398,7 +398,7 @@ def test_estimate_within_ten_percent_of_a_subprocess_compile():
 
 @pytest.mark.heavy
 def test_a_failed_subprocess_compile_says_what_to_do():
-    from eqxshard._plans.auto import compile_remote
+    from eqxshard._plans.auto.measure import compile_remote
 
     with pytest.raises(
         RuntimeError, match=r"(?s)could not compile on 4 CPU devices.*`compile_limit`"

@@ -14,8 +14,9 @@ from helpers import candidate_row, compiled_total, numpy_filled
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import rank as rank_, remat as remat_, remat_mix, remat_traced
-from eqxshard._plans.auto.candidates import Layout
+from eqxshard._plans.auto.dimensions.remat import per_stack, policies, residuals
+from eqxshard._plans.auto.layout import Layout
+from eqxshard._plans.auto.rank.table import nothing_fits, ranked
 from eqxshard._tree import format_bytes, is_array_like
 
 BATCH, TOKENS, WIDTH, F32 = 16, 32, 32, 4
@@ -31,7 +32,7 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     args = _args(eqx.filter_eval_shape(sd.make_two, jax.random.key(0)))
     rows = BATCH * TOKENS * F32
     # Without remat a block keeps its input (width), and its hidden pre- and post-tanh.
-    traced = remat_traced.Traced(sd.step, args)
+    traced = residuals.RematTrace(sd.step, args)
     kept = traced.at("none")
     assert kept.device == {
         "wide": 3 * rows * (WIDTH + 2 * 512),
@@ -60,7 +61,7 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     v = Layout("DP + remat offload", {"data": 2}, P(), remat=(("wide", "offload"),))
     compiled = candidate_row("DP + remat offload", 5 << 20, False)
     base = candidate_row("DP", 6 << 20, False)
-    row = remat_.described(compiled, v, base, traced, 4 << 20, {"host": pcie})
+    row = policies.described(compiled, v, base, traced, budget=4 << 20, links={"host": pcie})
     away = rows * 3 * 512 // 2
     assert row.total_bytes == (5 << 20) - away and row.bytes["activations"] == (5 << 20) - away
     assert row.host_bytes == away
@@ -70,12 +71,14 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     assert row.time == pytest.approx(1.0 + row.host_time)
     # With a tensor-parallel axis some may be whole on each device: at least that share.
     tp = Layout("TP + remat offload", {"model": 2}, P(), remat=(("wide", "offload"),))
-    row = remat_.described(compiled, tp, base, traced, 4 << 20, {"host": pcie})
+    row = policies.described(compiled, tp, base, traced, budget=4 << 20, links={"host": pcie})
     assert "1.5 MiB of activations per device in host memory (at least)" in row.reason
     # A compile that counted them apart (GPU, TPU: `host_temp_size_in_bytes`, already in
     # the row's `host_bytes`) is taken as it is: nothing comes off its device total twice.
     apart = eqxshard.Candidate(**{**compiled.__dict__, "host_bytes": 3 << 20})
-    row = remat_.described(apart, v, base, traced, 4 << 20, {"host": pcie}, apart=3 << 20)
+    row = policies.described(
+        apart, v, base, traced, budget=4 << 20, links={"host": pcie}, apart=3 << 20
+    )
     assert row.total_bytes == 5 << 20 and row.host_bytes == 3 << 20 and not row.fits
     assert "3.0 MiB of activations per device in host memory, out and back" in row.reason
     assert row.host_time == pytest.approx(2 * (1e-5 + (3 << 20) / 1e9))
@@ -86,17 +89,17 @@ def test_a_mix_rematerialises_the_fewest_largest_stacks_that_cover_the_excess():
     without, every = candidate_row("DP", 1000, False), candidate_row("DP + remat full", 400, True)
     saving = {"a": 100, "b": 500, "c": 400}  # shares of the 600 bytes the compile saved
     # 150 over: "b" alone saves ~300 by its share, more than 1.1 x 150.
-    some = remat_mix.mix(base, without, every, "full", saving, 850)
+    some = per_stack.mix(base, without, every, "full", saving, 850)
     assert some is not None and some.name == "DP + remat full on b"
     assert some.remat == (("a", "none"), ("b", "full"), ("c", "none"))
     # 400 over: "b" and "c" (~540 saved) are needed, not "a".
-    some = remat_mix.mix(base, without, every, "dots", saving, 600)
+    some = per_stack.mix(base, without, every, "dots", saving, 600)
     assert some is not None and dict(some.remat) == {"a": "none", "b": "dots", "c": "dots"}
     # Every stack needed, remat on every stack not fitting, shares unknown, one stack: none.
-    assert remat_mix.mix(base, without, every, "full", saving, 420) is None
-    assert remat_mix.mix(base, without, candidate_row("x", 900, False), "full", saving, 850) is None
-    assert remat_mix.mix(base, without, every, "full", None, 850) is None
-    assert remat_mix.mix(base, without, every, "full", {"a": 1}, 850) is None
+    assert per_stack.mix(base, without, every, "full", saving, 420) is None
+    assert per_stack.mix(base, without, candidate_row("x", 900, False), "full", saving, 850) is None
+    assert per_stack.mix(base, without, every, "full", None, 850) is None
+    assert per_stack.mix(base, without, every, "full", {"a": 1}, 850) is None
 
 
 def test_a_plan_takes_a_policy_per_stack_or_one_for_all():
@@ -125,12 +128,12 @@ def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
     remat = eqxshard.Candidate(
         **{**candidate_row("DP + remat full", 2 << 20, False).__dict__, "remat": {"blocks": "full"}}
     )
-    error = rank_.nothing_fits(rank_.rank([plain, remat], 1 << 20), 1 << 20, 2, 16)
+    error = nothing_fits(ranked([plain, remat], 1 << 20), 1 << 20, 2, 16)
     message = str(error)
     assert "Rematerialising the stacked layers was tried (full)" in message
     assert "(DP + remat full on data=2) is still 1.0 MiB over" in message
     assert "activation checkpointing" not in message
-    error = rank_.nothing_fits(rank_.rank([plain], 1 << 20), 1 << 20, 2, 16)
+    error = nothing_fits(ranked([plain], 1 << 20), 1 << 20, 2, 16)
     assert "activation checkpointing in `step`" in str(error)
     assert "was tried" not in str(error)
 
@@ -146,7 +149,7 @@ def test_a_chosen_remat_row_says_what_it_spares_once():
             "reason": "remat dots on `blocks`: still 1.0 MiB over; without it 2.0 MiB over",
         }
     )
-    table = rank_.rank([chosen, over], 1 << 20)
+    table = ranked([chosen, over], 1 << 20)
     assert table[0].reason == (
         "chosen: fits with 512.0 KiB to spare; the only one that fits; "
         "remat full on `blocks`: without it 1.0 MiB over"

@@ -18,18 +18,13 @@ from helpers import candidate_row, compiled_total
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import (
-    batch_proxies,
-    jobs,
-    measure,
-    rank as rank_,
-    remat as remat_,
-    remat_mix,
-    remat_traced,
-    view,
-)
+from eqxshard._plans.auto import view
 from eqxshard._plans.auto.candidate import not_compiled
-from eqxshard._plans.auto.candidates import Layout
+from eqxshard._plans.auto.dimensions.remat import per_stack, policies, residuals
+from eqxshard._plans.auto.layout import Layout
+from eqxshard._plans.auto.measure import batch_proxies, compiled, jobs
+from eqxshard._plans.auto.rank.table import nothing_fits, ranked
+from eqxshard._plans.auto.trace.problem import Problem
 from eqxshard._tree import is_array_like
 
 BATCH, TOKENS, WIDTH, HIDDEN, LAYERS = 16, 32, 32, 512, 3
@@ -59,18 +54,16 @@ def _args(model: Any) -> tuple:
 
 
 def test_a_policy_saving_nothing_against_the_models_own_remat_is_not_compiled():
-    traced = remat_traced.Traced(sd.step, _args(eqx.filter_eval_shape(_one, "full")))
+    traced = residuals.RematTrace(sd.step, _args(eqx.filter_eval_shape(_one, "full")))
     base = Layout("DP", {"data": 2}, P())
     over = candidate_row("DP", 10 << 20, False)
-    for policies in (remat_.FIRST, remat_.THEN):
-        todo, pruned = remat_.worth([(base, over)], ["blocks"], policies, None)
-        assert pruned == [] and len(todo) == len(policies)
-        keep, same = remat_.saving(todo, traced)
+    for wanted in (policies.FIRST, policies.THEN):
+        todo, pruned = policies.worth([(base, over)], ["blocks"], wanted, None)
+        assert pruned == [] and len(todo) == len(wanted)
+        keep, same = policies.saving(todo, traced)
         # "dots" keeps more than the stack's own "full"; "full" is it; "offload" keeps on
         # the device what "full" does: none is compiled, each row says why.
-        assert keep == [] and [v.remat for v, _, _, _ in same] == [
-            (("blocks", p),) for p in policies
-        ]
+        assert keep == [] and [v.remat for v, _, _, _ in same] == [(("blocks", p),) for p in wanted]
         for v, b, c, row in same:
             assert b is base and c is over and row.total_bytes is None and row.time is None
             assert row.reason.startswith(f"not compiled: dominated, remat {v.remat[0][1]} keeps")
@@ -83,20 +76,22 @@ def test_a_policy_saving_nothing_against_the_models_own_remat_is_not_compiled():
     assert traced.recomputed(()) == traced.recomputed((("blocks", "full"),))
     assert traced.recomputed((("blocks", "dots"),)) == 1.0
     full = Layout("DP + remat full", {"data": 2}, P(), remat=(("blocks", "full"),))
-    row = remat_.described(candidate_row("x", 1 << 20, True), full, over, traced, 2 << 20, {})
+    row = policies.described(
+        candidate_row("x", 1 << 20, True), full, over, traced, budget=2 << 20, links={}
+    )
     assert "recomputes 17% more matmul flops than no remat" in row.reason
 
 
 def test_a_policy_is_given_only_to_the_stacks_it_saves_on():
     model = _own(eqx.filter_eval_shape(sd.make_two, jax.random.key(0)), wide="full")
-    traced = remat_traced.Traced(sd.step, _args(model))
+    traced = residuals.RematTrace(sd.step, _args(model))
     assert traced.own == {"wide": "full", "narrow": "none"}
     assert traced.saving_on("dots") == ["narrow"] and traced.saves_nothing("dots") == ""
     base = Layout("DP", {"data": 2}, P())
-    todo, _ = remat_.worth(
+    todo, _ = policies.worth(
         [(base, candidate_row("DP", 10 << 20, False))], ["wide", "narrow"], ("dots",), None
     )
-    keep, same = remat_.saving(todo, traced)
+    keep, same = policies.saving(todo, traced)
     assert same == [] and [(v.name, v.remat) for v, _, _ in keep] == [
         ("DP + remat dots on narrow", (("narrow", "dots"),))
     ]
@@ -104,10 +99,10 @@ def test_a_policy_is_given_only_to_the_stacks_it_saves_on():
     without, every = candidate_row("DP", 1000, False), candidate_row("DP + remat full", 400, True)
     saving = {"a": 100, "b": 500, "c": 400}
     own = {"a": "full", "b": "none", "c": "none"}
-    some = remat_mix.mix(base, without, every, "dots", saving, 850, own)
+    some = per_stack.mix(base, without, every, "dots", saving, 850, own)
     assert some is not None and some.remat == (("b", "dots"), ("c", "none"))
     # Only one stack saves anything: the variant on it is all there is to compile.
-    assert remat_mix.mix(base, without, every, "dots", {"a": 0, "b": 500}, 850) is None
+    assert per_stack.mix(base, without, every, "dots", {"a": 0, "b": 500}, 850) is None
 
 
 def _wide_only(model, opt_state, batch):
@@ -126,12 +121,12 @@ def _wide_only(model, opt_state, batch):
 
 def test_a_mix_not_tried_for_a_stack_the_step_does_not_show_says_so():
     model = eqx.filter_eval_shape(sd.make_two, jax.random.key(0))
-    traced = remat_traced.Traced(_wide_only, _args(model))
+    traced = residuals.RematTrace(_wide_only, _args(model))
     assert traced.missing() == ("narrow",) and traced("full") is None
     base = Layout("DP", {"data": 2}, P())
     v = Layout("DP + remat full", {"data": 2}, P(), remat=(("wide", "full"), ("narrow", "full")))
     every = candidate_row("DP + remat full", 400, True, reason="remat full on `wide`, `narrow`")
-    mixes, made = remat_mix.mixes(
+    mixes, made = per_stack.mixes(
         [(v, base, candidate_row("DP", 1000, False))], [(v, every)], traced, 850
     )
     assert mixes == [] and made[0][0] is v
@@ -144,11 +139,11 @@ def test_a_mix_not_tried_for_a_stack_the_step_does_not_show_says_so():
 def test_rows_not_compiled_show_no_estimate_mark_and_a_slower_offload_says_why():
     estimated = candidate_row("TP", 10 << 20, False, estimated=True, time=5.0)
     v = Layout("TP + remat dots", {"model": 2}, P(), remat=(("blocks", "dots"),))
-    row = remat_.dominated(v, estimated, 1.0)
+    row = policies.dominated(v, estimated, 1.0)
     assert not row.estimated and row.total_bytes is None
-    table = rank_.rank([candidate_row("DP", 1 << 20, True), estimated, row], 2 << 20)
+    table = ranked([candidate_row("DP", 1 << 20, True), estimated, row], 2 << 20)
     plan = eqxshard.Plan(mesh={"data": 2}, rules=P(), batch_spec=P("data"), table=table)
-    _, body = view.rows(plan)
+    _, body = view.rows(plan.table)
     assert body[2][1] == "TP + remat dots" and "~-" not in body[2]
     assert body[1][-4].startswith("~")  # the estimated total keeps its mark
     fast, slow = (
@@ -156,18 +151,18 @@ def test_rows_not_compiled_show_no_estimate_mark_and_a_slower_offload_says_why()
         candidate_row("DP + offload", 1 << 20, True, host_time=0.5),
     )
     slow = eqxshard.Candidate(**{**slow.__dict__, "time": 1.5})
-    assert rank_.rank([fast, slow], 2 << 20)[1].reason == (
+    assert ranked([fast, slow], 2 << 20)[1].reason == (
         "fits, but 1.50x the chosen step time: host memory traffic 500.00 ms vs 0 s"
     )
 
 
 def test_a_models_own_remat_compiles_its_rows_as_remat_variants_are():
     model = eqx.filter_eval_shape(_one, "full")
-    problem = measure.Problem(sd.step, model, None, sd.shapes(BATCH, TOKENS))
+    problem = Problem(sd.step, model, None, sd.shapes(BATCH, TOKENS))
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    assert measure.place(problem, mesh, P(), problem.batch, P("data")).remat
-    plain = measure.Problem(sd.step, eqx.filter_eval_shape(_one), None, problem.batch)
-    assert not measure.place(plain, mesh, P(), plain.batch, P("data")).remat
+    assert compiled.step_arguments(problem, mesh, P(), problem.batch, P("data")).remat
+    plain = Problem(sd.step, eqx.filter_eval_shape(_one), None, problem.batch)
+    assert not compiled.step_arguments(plain, mesh, P(), plain.batch, P("data")).remat
 
 
 @pytest.mark.heavy
@@ -216,6 +211,6 @@ def test_nothing_fits_says_the_stacks_own_remat_is_the_least_already():
     v = Layout("DP + remat dots", {"data": 2}, P(), remat=(("blocks", "dots"),))
     why = "not compiled: dominated, remat dots keeps 1 B ...: it saves nothing; the rows ..."
     same = not_compiled(v, why, remat={"blocks": "dots"})
-    message = str(rank_.nothing_fits(rank_.rank([over, same], 1 << 20), 1 << 20, 2, 16))
+    message = str(nothing_fits(ranked([over, same], 1 << 20), 1 << 20, 2, 16))
     assert "The stacked layers' own `remat` keeps the least on the device already" in message
     assert "activation checkpointing" not in message and "a smaller batch" in message

@@ -13,10 +13,11 @@ import stacked_decoder as sd
 from helpers import compiled_total
 
 import eqxshard
-from eqxshard._plans.auto import links as links_, stages_scaled
-from eqxshard._plans.auto.candidates import Layout
-from eqxshard._plans.auto.extrapolate import reduced_shape
-from eqxshard._plans.auto.jobs import Job
+from eqxshard._plans.auto import links
+from eqxshard._plans.auto.dimensions.stage import scaled
+from eqxshard._plans.auto.layout import Layout
+from eqxshard._plans.auto.measure.jobs import Job
+from eqxshard._plans.auto.scale.extrapolate import reduced_shape
 
 SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
 MEDIUM = eqxshard.Link(bandwidth=1e9, latency=1e-5)
@@ -49,9 +50,9 @@ def plan():
 
 @pytest.mark.heavy
 def test_stage_meshes_above_compile_limit_are_scaled_from_smaller_stage_meshes(plan):
-    scaled = [c for c in plan.table if c.pipeline is not None and c.time is not None]
-    assert [c.mesh_shape for c in scaled] == [{"stage": 2, "data": 2}]
-    for c in scaled:
+    rows = [c for c in plan.table if c.pipeline is not None and c.time is not None]
+    assert [c.mesh_shape for c in rows] == [{"stage": 2, "data": 2}]
+    for c in rows:
         assert c.estimated and c.measured_on.startswith("estimated from a compile on stage=2")
         assert "bubble" in c.reason
     # Four stages, or two with fsdp (kept at 2 to show its collectives), need a compile
@@ -92,22 +93,26 @@ def _job(shape, gradients):
 
 
 def test_a_scaled_stage_mesh_slower_by_its_floor_is_not_compiled():
-    links = {"data": links_.LINKS["inter_node"], "stage": links_.LINKS["intra_node"]}
+    axes = {"data": links.LINKS["inter_node"], "stage": links.LINKS["intra_node"]}
     flops, n, fps = 8e12, 64, 1e12  # 0.125 s of compute a device; bubble 3/7 on 4 stages
     big = _job({"stage": 4, "data": 16}, 2**32)  # 0.16 s of all-reduce over `inter_node`
     small = _job({"stage": 4, "data": 16}, 2**10)
     nodata = _job({"stage": 4, "fsdp": 16}, 2**30)
-    low = stages_scaled.floor(small, flops, n, fps, links)
+    low = scaled.floor(small, flops, n, fps, axes)
     assert 0.125 / (1 - 3 / 7) < low < 0.125 / (1 - 3 / 7) + 0.01
     best = low * 1.5
-    by_mesh = {repr(j.layout.shape): links for j in (big, small, nodata)}
-    kept, rows = stages_scaled.worth([big, small, nodata], best, flops, n, fps, by_mesh)
+    by_mesh = {repr(j.layout.shape): axes for j in (big, small, nodata)}
+    kept, rows = scaled.worth(
+        [big, small, nodata], best=best, flops=flops, n=n, flops_per_second=fps, links=by_mesh
+    )
     assert kept == [small, nodata]
     (row,) = rows
     assert row.time is None and row.pipeline == {"axis": "stage", "microbatches": 4, "repeats": 1}
     assert row.reason.startswith("not compiled: dominated, at least")
     assert "slower than" in row.reason and "without stages that fits" in row.reason
-    kept, rows = stages_scaled.worth([big], None, flops, n, fps, by_mesh)
+    kept, rows = scaled.worth(
+        [big], best=None, flops=flops, n=n, flops_per_second=fps, links=by_mesh
+    )
     assert kept == [big] and rows == []
 
 
@@ -119,19 +124,19 @@ def test_scaled_stage_meshes_are_weighed_with_the_fastest_plain_layouts_axes():
     other_size = layout({"stage": 2, "data": 64, "model": 4})
     other_axes = layout({"stage": 2, "data": 64, "fsdp": 4})
     fastest = {"data": 256, "model": 2}
-    kept, rows = stages_scaled.like_fastest([same, other_size, other_axes], fastest)
+    kept, rows = scaled.like_fastest([same, other_size, other_axes], fastest)
     assert kept == [same] and len(rows) == 2
     assert all("with the axes of the fastest layout" in r.reason for r in rows)
     assert "(data x model=2)" in rows[0].reason and rows[0].time is None
-    kept, rows = stages_scaled.like_fastest([same, other_axes], None)  # none fits: all
+    kept, rows = scaled.like_fastest([same, other_axes], None)  # none fits: all
     assert kept == [same, other_axes] and rows == []
 
 
 def test_a_mesh_left_out_whole_has_one_row_not_one_per_schedule():
     def row(shape, why):
         layout = Layout("PP", shape, None, pipeline=(4, 1))
-        return stages_scaled.not_compiled(layout, why)
+        return scaled.not_compiled(layout, why)
 
     schedules = [row({"stage": 2, "data": 4}, "dominated schedule"), row({"stage": 4}, "other")]
     whole = [row({"stage": 2, "data": 4}, "left out")]
-    assert [r.reason for r in stages_scaled.instead(schedules, whole)] == ["other", "left out"]
+    assert [r.reason for r in scaled.instead(schedules, whole)] == ["other", "left out"]

@@ -18,10 +18,10 @@ from helpers import kept_layout_total, mse_step
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto import batch_proxies, compile_remote, jobs as jobs_module
-from eqxshard._plans.auto.cache import CACHE
-from eqxshard._plans.auto.collectives import Collective
-from eqxshard._plans.auto.measure import Measurement
+from eqxshard._plans.auto.measure import batch_proxies, compile_remote, jobs
+from eqxshard._plans.auto.measure.cache import CACHE
+from eqxshard._plans.auto.measure.collectives import Collective
+from eqxshard._plans.auto.measure.compiled import Measurement
 from eqxshard._plans.auto.view import seconds_str
 
 OPTIMIZER = optax.adamw(1e-2)
@@ -145,7 +145,7 @@ def drawn_search():
     again with the same step do so inside `cache_kept`, so it is compiled once for all."""
     step = make_step()
     compiled, work = [], []
-    original, assign = jobs_module.compile_here, jobs_module.assign_keys
+    original, assign = jobs.compile_here, jobs.assign_keys
 
     def record(problem, placed, shape):
         batch = tuple(x.shape for x in jax.tree.leaves(placed.args[2]))
@@ -153,9 +153,9 @@ def drawn_search():
         return original(problem, placed, shape)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(jobs_module, "compile_here", record)
-        patch.setattr(jobs_module, "assign_keys", lambda k, j, n: work.extend(j) or assign(k, j, n))
-        patch.setattr(batch_proxies, "assign_keys", jobs_module.assign_keys)
+        patch.setattr(jobs, "compile_here", record)
+        patch.setattr(jobs, "assign_keys", lambda k, j, n: work.extend(j) or assign(k, j, n))
+        patch.setattr(batch_proxies, "assign_keys", jobs.assign_keys)
         plan = _run(step, wide_mlp(), SHAPES, budget="64MiB")
     drawn = [c for c in plan.table if "drawn through compiles" in c.measured_on]
     return step, plan, drawn, compiled, work
@@ -165,16 +165,14 @@ def test_batches_drawn_through_two_compiles_agree_with_compiles(drawn_search, mo
     step, drawn_plan, drawn, _, _ = drawn_search
     assert drawn and all(c.estimated for c in drawn)
     compiles = []
-    original = jobs_module.compile_here
-    monkeypatch.setattr(
-        jobs_module, "compile_here", lambda *a: compiles.append(a[2]) or original(*a)
-    )
+    original = jobs.compile_here
+    monkeypatch.setattr(jobs, "compile_here", lambda *a: compiles.append(a[2]) or original(*a))
     # Every candidate compiled instead: the same choice, and each drawn row near its compile.
     monkeypatch.setattr(
         batch_proxies,
         "measure",
-        lambda problem, key, work, local, progress: jobs_module.measure_all(
-            problem, key, work, local, progress
+        lambda problem, key, work, local, progress: jobs.measure_all(
+            problem, key, work, local=local, progress=progress
         ),
     )
     with cache_kept():
@@ -222,12 +220,12 @@ def test_a_size_one_axis_compiles_once(drawn_search):
 
 def test_a_second_process_shares_only_slow_compiles(monkeypatch):
     rest: list[Any] = [object()] * 10
-    assert jobs_module.share_alongside(rest[:2], 60.0) == []  # too few to pay for a process
-    assert jobs_module.share_alongside(rest, 2.0) == []  # 20 s left: not worth a process
-    monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 1)
-    assert jobs_module.share_alongside(rest, 60.0) == []  # one core: nothing alongside
-    monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 2)
-    assert jobs_module.share_alongside(rest, 60.0) == rest[4:]
+    assert jobs.share_alongside(rest[:2], 60.0) == []  # too few to pay for a process
+    assert jobs.share_alongside(rest, 2.0) == []  # 20 s left: not worth a process
+    monkeypatch.setattr(jobs.os, "cpu_count", lambda: 1)
+    assert jobs.share_alongside(rest, 60.0) == []  # one core: nothing alongside
+    monkeypatch.setattr(jobs.os, "cpu_count", lambda: 2)
+    assert jobs.share_alongside(rest, 60.0) == rest[4:]
 
 
 @pytest.mark.heavy
@@ -236,8 +234,8 @@ def test_compiles_alongside_give_the_figures_of_compiles_here(monkeypatch):
     shapes = (jax.ShapeDtypeStruct((64, 128), jnp.float32),) * 2
     options: dict[str, Any] = dict(devices=8, budget="64MiB", optimizer=OPTIMIZER, progress=False)
     here = eqxshard.auto_plan(make_step(), model, shapes, **options)
-    monkeypatch.setattr(jobs_module, "ALONGSIDE_AFTER", 0.0)
-    monkeypatch.setattr(jobs_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(jobs, "ALONGSIDE_AFTER", 0.0)
+    monkeypatch.setattr(jobs.os, "cpu_count", lambda: 2)
     started = []
     start = compile_remote.start
     monkeypatch.setattr(compile_remote, "start", lambda *a: started.append(a[1]) or start(*a))

@@ -14,8 +14,8 @@ import stacked_decoder as sd
 from helpers import compiled_total
 
 import eqxshard
-from eqxshard._plans.auto import remat as remat_
-from eqxshard._plans.auto.candidates import Layout
+from eqxshard._plans.auto.dimensions.remat import policies
+from eqxshard._plans.auto.layout import Layout
 
 SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
 
@@ -87,12 +87,12 @@ def test_remat_variants_are_pruned_by_arithmetic():
     )
     fitting = Layout("FSDP", {"fsdp": 2}, None)
     fits = eqxshard.Candidate(**{**slow.__dict__, "name": "FSDP", "fits": True})
-    todo, pruned = remat_.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 1.0)
+    todo, pruned = policies.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 1.0)
     assert todo == [] and [v.name for v, _ in pruned] == ["DP + remat dots"]
-    row = remat_.dominated(pruned[0][0], slow, 1.0)
+    row = policies.dominated(pruned[0][0], slow, 1.0)
     assert row.reason.startswith("not compiled: dominated, remat dots only adds to 2.00 s per step")
     assert row.remat == {"blocks": "dots"} and row.total_bytes is None
-    todo, pruned = remat_.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 3.0)
+    todo, pruned = policies.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 3.0)
     assert [v.name for v, _, _ in todo] == ["DP + remat dots"] and pruned == []
 
 
@@ -131,7 +131,7 @@ def test_remat_compiles_alongside_give_the_figures_of_compiles_here(tight, monke
     only when compiles are slow, so on a loaded machine) is compiled as here, with constant
     folding: the same figures, not a tenth fewer bytes. The figures of compiles here are
     `tight`'s (the same model, batch and options; its step compiled here already)."""
-    from eqxshard._plans.auto import compile_remote, jobs
+    from eqxshard._plans.auto.measure import compile_remote, jobs
 
     model = _make(3)(jax.random.key(0))
     options: dict[str, Any] = dict(devices=2, budget="4MiB", optimizer=sd.OPTIMIZER, progress=False)

@@ -8,7 +8,10 @@ import jax
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
-from eqxshard._plans.auto.candidates import tensor_parallel_roles, tensor_parallel_rule
+from eqxshard._plans.auto.dimensions.tensor_parallel import (
+    tensor_parallel_roles,
+    tensor_parallel_rule,
+)
 
 
 class Inner(eqx.Module):

@@ -65,7 +65,7 @@ def test_grids_bars_html_and_rich(case: str, abstract: bool):
     t = eqx.filter_eval_shape(tree) if abstract else tree()
     table = eqxshard.describe(t, mesh, {**specs, "name": None})
     for row in table.rows:
-        grid = layout_grid(row)
+        grid = layout_grid(row.shape, row.sharding)
         assert grid is not None and grid.shape == shapes[row.path], row
         assert len(np.unique(grid)) == blocks[row.path], (row.path, grid)
     page = table._repr_html_()
@@ -83,15 +83,15 @@ def test_grid_colours_follow_the_blocks():
     table = eqxshard.describe(tree(), mesh, {"w": P("data"), "b": P(), "name": None})
     w = next(r for r in table.rows if r.path == "w")
     # split over "data" only: each row of the mesh holds one block, replicated across "model"
-    assert layout_grid(w).tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]  # type: ignore[union-attr]
+    assert layout_grid(w.shape, w.sharding).tolist() == [[0, 0, 0, 0], [1, 1, 1, 1]]  # type: ignore[union-attr]
 
 
 def test_not_placed_and_single_device_leaves():
     placed = {"a": jax.device_put(jnp.ones(4), jax.devices()[3]), "h": np.ones(3)}
     table = eqxshard.describe(placed)
     rows = {r.path: r for r in table.rows}
-    assert layout_grid(rows["h"]) is None
-    assert layout_grid(rows["a"]).tolist() == [[0]]  # type: ignore[union-attr]
+    assert layout_grid(rows["h"].shape, rows["h"].sharding) is None
+    assert layout_grid(rows["a"].shape, rows["a"].sharding).tolist() == [[0]]  # type: ignore[union-attr]
     page = table._repr_html_()
     assert page.count("<svg") == 1 and "cpu:3" in page
     assert "cpu:3" in rich_text(table)
@@ -101,6 +101,6 @@ def test_abstract_mesh_has_no_grid_but_renders():
     abstract_mesh = jax.sharding.AbstractMesh((2, 4), ("data", "model"))
     sharding = NamedSharding(abstract_mesh, P("data"))
     row_table = eqxshard.describe(jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=sharding))
-    assert all(layout_grid(r) is None for r in row_table.rows)
+    assert all(layout_grid(r.shape, r.sharding) is None for r in row_table.rows)
     assert "<table" in row_table._repr_html_()
     assert "P('data'" in rich_text(row_table)

@@ -14,7 +14,7 @@ import pytest
 from helpers import compiled_total
 
 import eqxshard
-from eqxshard._plans.auto import offload
+from eqxshard._plans.auto.dimensions import offload
 
 pytestmark = pytest.mark.skipif(
     not offload.supported(jax.devices()),

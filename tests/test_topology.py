@@ -12,9 +12,9 @@ import optax
 import pytest
 
 import eqxshard
-from eqxshard._plans.auto import topology
-from eqxshard._plans.auto.candidates import factorisations, mesh_shape
+from eqxshard._plans.auto.dimensions.data_fsdp_tensor import factorisations, mesh_shape
 from eqxshard._plans.auto.meshes import mesh_for
+from eqxshard._plans.auto.rank import topology
 
 LINKS = eqxshard.LINKS
 OPTIMIZER = optax.adamw(1e-2)

@@ -73,7 +73,7 @@ def plan() -> eqxshard.Plan:
 
 def draw(chosen: eqxshard.Plan, out: Path) -> str:
     """Writes the chart of `chosen` to `out`; returns the SVG text."""
-    text = svg(chosen)
+    text = svg(chosen.table, chosen.budget)
     out.write_text(text + "\n")
     return text
 

@@ -6,7 +6,7 @@ Owns the rules (`rules`: `Rule`, `first`; `path_rules`; `fsdp`; `logical`; `like
 stage in `by_stage`), and `auto_plan`, which chooses a layout by compiling and measuring
 candidates (the folder `auto`).
 
-Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._mapping`,
-`eqxshard._shard_map`, `eqxshard._step` (`Plan.jit` is `filter_jit`), `eqxshard._pipeline`
-and this folder.
+Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._caches`, `eqxshard._placement`,
+`eqxshard._mapping`, `eqxshard._shard_map`, `eqxshard._step` (`Plan.jit` is `filter_jit`),
+`eqxshard._pipeline` and this folder.
 """

@@ -9,9 +9,9 @@ the table; nothing here computes a plan.
 
 from __future__ import annotations
 
+import dataclasses
 import html
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from jax.sharding import NamedSharding, Sharding
@@ -19,22 +19,18 @@ from jax.sharding import NamedSharding, Sharding
 from .._tree import device_name, format_bytes
 
 
-# What the pictures read of a `LeafRow` and a `ShardingTable` (`table.py`), named here so
-# that this module needs no import of the table, which draws itself through this module.
-class LeafRowLike(Protocol):
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def sharding(self) -> Sharding | None: ...
+@dataclasses.dataclass(frozen=True)
+class Pictures:
+    """What the pictures show of a `ShardingTable` (`table.py`), as it passes them: the
+    text columns (`header`, a row of cells per leaf), each leaf's layout grid
+    (`layout_grid`, `None` where there is none to draw), the bytes on each device, and
+    the summary lines."""
 
-
-class ShardingTableLike(Protocol):
-    @property
-    def rows(self) -> Sequence[LeafRowLike]: ...
-    @property
-    def bytes_per_device(self) -> dict[Any, int]: ...
-    def _columns(self) -> tuple[list[str], list[list[str]]]: ...
-    def _summary(self) -> list[str]: ...
+    header: list[str]
+    body: list[list[str]]
+    grids: list[np.ndarray | None]
+    bytes_per_device: dict[Any, int]
+    summary: list[str]
 
 
 # Distinct, readable on white and on dark backgrounds; cycled beyond ten blocks.
@@ -55,15 +51,14 @@ BAR_WIDTH = 30  # characters of the longest bar in a terminal
 CELL = 14  # pixels of one device in an HTML grid
 
 
-def layout_grid(row: LeafRowLike) -> np.ndarray | None:
+def layout_grid(shape: tuple[int, ...], sharding: Sharding | None) -> np.ndarray | None:
     """The leaf's block number on each device, laid out as its mesh (2-D: the first mesh
     axis down, the others across), or `None` when there is no mesh of devices to draw
     (not placed, or an abstract mesh)."""
-    sharding: Sharding | None = row.sharding
     if sharding is None:
         return None
     try:
-        indices = sharding.devices_indices_map(row.shape)
+        indices = sharding.devices_indices_map(shape)
     except Exception:  # an abstract mesh: no devices
         return None
     if isinstance(sharding, NamedSharding):
@@ -80,10 +75,11 @@ def layout_grid(row: LeafRowLike) -> np.ndarray | None:
     return grid
 
 
-def _bars(table: ShardingTableLike) -> list[tuple[str, int, float]]:
+def _bars(pictures: Pictures) -> list[tuple[str, int, float]]:
     """(device, bytes, fraction of the fullest device) for every device."""
-    most = max(table.bytes_per_device.values(), default=0) or 1
-    return [(device_name(d), b, b / most) for d, b in table.bytes_per_device.items()]
+    held = pictures.bytes_per_device
+    most = max(held.values(), default=0) or 1
+    return [(device_name(d), b, b / most) for d, b in held.items()]
 
 
 def _grid_svg(grid: np.ndarray) -> str:
@@ -101,9 +97,9 @@ def _grid_svg(grid: np.ndarray) -> str:
     )
 
 
-def to_html(table: ShardingTableLike) -> str:
+def to_html(pictures: Pictures) -> str:
     """A styled HTML table with a layout grid per leaf, then the per-device bars."""
-    header, body = table._columns()
+    header, body = pictures.header, pictures.body
     td = 'style="padding:2px 8px;border-bottom:1px solid #8884;text-align:{}"'
     right = {4, 5}
     head = "".join(
@@ -111,8 +107,7 @@ def to_html(table: ShardingTableLike) -> str:
         for i, h in enumerate([*header, "layout"])
     )
     lines = []
-    for row, cells in zip(table.rows, body, strict=True):
-        grid = layout_grid(row)
+    for grid, cells in zip(pictures.grids, body, strict=True):
         picture = "" if grid is None else _grid_svg(grid)
         tds = "".join(
             f"<td {td.format('right' if i in right else 'left')}>"
@@ -126,9 +121,9 @@ def to_html(table: ShardingTableLike) -> str:
         f'<span style="width:5em;font-family:monospace">{html.escape(name)}</span>'
         f'<span style="display:inline-block;height:10px;width:{max(fraction * 240, 1):.0f}px;'
         f'background:{PALETTE[0]}"></span><span>{format_bytes(n)}</span></div>'
-        for name, n, fraction in _bars(table)
+        for name, n, fraction in _bars(pictures)
     )
-    notes = "".join(f'<p style="margin:4px 0">{html.escape(s)}</p>' for s in table._summary())
+    notes = "".join(f'<p style="margin:4px 0">{html.escape(s)}</p>' for s in pictures.summary)
     return (
         '<div class="eqxshard-describe">'
         f'<table style="border-collapse:collapse;font-size:90%"><thead><tr>{head}</tr></thead>'
@@ -138,18 +133,17 @@ def to_html(table: ShardingTableLike) -> str:
     )
 
 
-def to_rich(table: ShardingTableLike) -> Any:
+def to_rich(pictures: Pictures) -> Any:
     """A rich renderable: the table with a coloured layout grid per leaf, then the bars."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
-    header, body = table._columns()
+    header, body = pictures.header, pictures.body
     leaves = Table(show_edge=False, header_style="bold")
     for i, name in enumerate([*header, "layout"]):
         leaves.add_column(name, justify="right" if i in (4, 5) else "left")
-    for row, cells in zip(table.rows, body, strict=True):
-        grid = layout_grid(row)
+    for grid, cells in zip(pictures.grids, body, strict=True):
         picture = Text()
         if grid is not None:
             for r in range(grid.shape[0]):
@@ -159,14 +153,14 @@ def to_rich(table: ShardingTableLike) -> Any:
                     picture.append("██", style=RICH_PALETTE[int(block) % len(RICH_PALETTE)])
         leaves.add_row(*cells, picture)
     parts: list[Any] = [leaves]
-    if table.bytes_per_device:
+    if pictures.bytes_per_device:
         bars = Table(show_edge=False, show_header=False, box=None, title="bytes per device")
         bars.add_column("device")
         bars.add_column("bar", no_wrap=True)
         bars.add_column("bytes", justify="right")
-        for name, n, fraction in _bars(table):
+        for name, n, fraction in _bars(pictures):
             bar = Text("█" * max(round(fraction * BAR_WIDTH), 1), style="blue")
             bars.add_row(name, bar, format_bytes(n))
         parts.append(bars)
-    parts.extend(Text(line) for line in table._summary())
+    parts.extend(Text(line) for line in pictures.summary)
     return Group(*parts)

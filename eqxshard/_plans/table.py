@@ -151,8 +151,18 @@ class ShardingTable:
     def _repr_html_(self) -> str:
         """A notebook's view: the table with each leaf's layout over its mesh as a grid of
         devices, and the bytes on each device as bars."""
-        return describe_view.to_html(self)
+        return describe_view.to_html(self._pictures())
 
     def __rich__(self) -> Any:
         """A terminal's view through `rich.print(table)`: the same pictures in colour."""
-        return describe_view.to_rich(self)
+        return describe_view.to_rich(self._pictures())
+
+    def _pictures(self) -> describe_view.Pictures:
+        header, body = self._columns()
+        return describe_view.Pictures(
+            header=header,
+            body=body,
+            grids=[describe_view.layout_grid(r.shape, r.sharding) for r in self.rows],
+            bytes_per_device=self.bytes_per_device,
+            summary=self._summary(),
+        )

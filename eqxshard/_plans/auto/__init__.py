@@ -1,28 +1,34 @@
 """`auto_plan`: choosing a layout for the user, measured rather than guessed.
 
-Owns the verb (`search`) and its arguments (`arguments`); the candidate layouts
-(`candidates`: mesh factorisations crossed with DP, FSDP, TP and FSDP x TP, tensor-parallel
-roles found from the model's structure and shapes; `offload`: the same layouts with the
-optimiser state in pinned host memory, where only that fits; `stages`: a `stage` axis over
-the model's `Stacked` layers and its schedules; `stages_step`: the meshes with the stage
-axis of a step that calls `filter_pipeline` itself, found by `_pipeline.watch`; `remat`:
-remat policies for layouts over budget by their activations, `remat_traced`: what each
-keeps and recomputes by the step's jaxpr, `remat_mix`: some stacks only); placing and
-measuring them
-(`jobs`; `measure`: memory by part; `host_memory`: what stays in host memory;
-`collectives`: bytes moved, read from the HLO; `flops`; the ops XLA runs on one device
-and replicates, e.g. `eqx.error_if`, read by `eqxshard._step.pinned`), compiled here, in
-a subprocess with more CPU devices or alongside this process (`compile_remote`,
-`compile_worker`), scaled from a smaller mesh (`extrapolate`) or drawn through the
-compiles of two smaller batches on it (`batch_proxies`); the alpha-beta link model
-(`links`) and which axes cross nodes (`topology`); the ranking (`rank`), the pipeline
-stages and remat choices (`stages`, `remat`), the result (`result`: `Plan`; `candidate`:
-a row of its table; `choices`: its remat, offload and pipeline fields; `meshes`: its
-mesh), using it (`use`: `Plan.jit`, `Plan.apply`), its table and picture (`view`) and the
-cache of measured steps
-(`cache`).
+`search.auto_plan` runs the search as its phases, in this order (`search.PHASES`), each
+passing the next a named record:
 
-Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement`, `eqxshard._step`
-(`Plan.jit` is `filter_jit`), `eqxshard._pipeline` (`Stacked`, configured by a plan; `watch`), the
-rest of `eqxshard._plans` and this folder.
+- `trace/`: the arguments checked and the step traced (`phase.trace` -> `Traced`):
+  `arguments` (devices, budget, options, the step's trace), `problem` (the inputs as
+  shapes), `own_pipeline` (a step that calls `filter_pipeline` itself), `flops` (matmul
+  flops from the jaxpr, scans counted).
+- `dimensions/`: the parallelism dimensions, each one module behind `base.Dimension`,
+  registered in `registry.DIMENSIONS`; `propose` (each one's layouts -> `Proposal`) and
+  `refine` (variants of measured layouts) are phases. `data_fsdp_tensor` (the mesh
+  factorisations and rule families; `tensor_parallel`: the TP rule from the model's
+  shapes), `stage/` (a pipeline's stage axis), `offload` (optimiser state in host
+  memory), `remat/` (remat policies for `Stacked` layers).
+- `measure/`: each layout compiled and read (`phase.measure` -> `Search`): `jobs` (laid
+  out, compiled here or in a subprocess: `compile_remote`, `compile_worker`), `compiled`
+  (the step as compiled, its `Measurement`), `collectives` and `host_memory` (read from
+  the HLO), `batch_proxies` (batches drawn through two compiles), `cache`.
+- `scale/`: layouts over `compile_limit`, from a smaller mesh (`phase.scale`;
+  `extrapolate`: the mesh arithmetic).
+- `rank/`: the rows ranked into a `Plan` (`phase.rank`): `row` (a row from a compile, by
+  the alpha-beta model), `table` (ranking, reasons, the error when nothing fits),
+  `topology` (which link each axis gets).
+
+Beside them, what a plan is: `result` (`Plan`), `candidate` (a row of its table), `layout`
+(a candidate layout, the record every phase passes), `links` (`Link`, `LINKS`, the
+alpha-beta model), `choices` (a plan's remat, offload and pipeline fields), `meshes` (its
+mesh), `use` (`Plan.jit`, `Plan.apply`), `view` (its table and picture).
+
+Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._caches`, `eqxshard._placement`,
+`eqxshard._step` (`Plan.jit` is `filter_jit`), `eqxshard._pipeline` (`Stacked`, configured by
+a plan; `watch`), the rest of `eqxshard._plans` and this folder.
 """

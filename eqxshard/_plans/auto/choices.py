@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 REMAT_POLICIES = ("none", "dots", "full", "offload")
+# The memory kind (`jax.sharding.Sharding.with_memory_kind`) offloaded parts live in.
+HOST_MEMORY_KIND = "pinned_host"
 # The parts of a step that can live in pinned host memory between steps.
 OFFLOADABLE = ("optimizer state",)
 PIPELINE_KEYS = ("axis", "microbatches", "repeats")

@@ -118,3 +118,10 @@ def seconds(
     bandwidth = min(link.bandwidth for link in used)
     latency = max(link.latency for link in used)
     return steps * latency + sent / bandwidth
+
+
+def host_round_trip(nbytes: float, links: Mapping[str, Link]) -> float:
+    """Seconds to move `nbytes` per device to pinned host memory and back over the `host`
+    link (`links["host"]`, else the `"host"` preset), per step."""
+    link = links.get("host", LINKS["host"])
+    return 2 * (link.latency + nbytes / link.bandwidth)

@@ -261,7 +261,7 @@ class Plan:
         )
 
     def __str__(self) -> str:
-        return view.text(self)
+        return view.text(self.table, self.summary())
 
     def __repr__(self) -> str:
         return (
@@ -271,4 +271,4 @@ class Plan:
         )
 
     def _repr_html_(self) -> str:
-        return view.to_html(self)
+        return view.to_html(self.table, self.budget, self.summary())

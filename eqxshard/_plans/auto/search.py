@@ -6,33 +6,28 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
-import jax
 from jax.sharding import AbstractMesh
 
-from ..._pipeline.stacked.configure import stacks
-from ..._tree import is_array_like
-from . import (
-    arguments as args_,
-    batch_proxies,
-    flops as flops_,
-    jobs,
-    links as links_,
-    offload as offload_,
-    rank as rank_,
-    remat as remat_,
-    remat_mix,
-    remat_traced,
-    stages as stages_,
-    stages_scaled,
-    stages_step,
-    topology,
+from .dimensions import registry
+from .dimensions.propose import propose
+from .dimensions.refine import refine
+from .links import DEFAULT_FLOPS
+from .measure.phase import measure
+from .rank.phase import rank
+from .result import Plan
+from .scale.phase import scale
+from .trace.phase import trace
+
+# The search's phases, in the order `auto_plan` runs them: each a function of this
+# folder, named for what it does (`tests/test_auto_plan_phases.py` checks the order).
+PHASES = (
+    "trace.phase.trace",  # the arguments checked, the step traced: `Traced`
+    "dimensions.propose.propose",  # each dimension's layouts: `Proposal`
+    "measure.phase.measure",  # each compiled and read: `Search`
+    "scale.phase.scale",  # layouts over `compile_limit`, from smaller compiles
+    "dimensions.refine.refine",  # variants of measured layouts (offload, remat)
+    "rank.phase.rank",  # the rows ranked into a `Plan`
 )
-from .cache import shapes_key as _shapes_key
-from .candidates import batch_spec, layouts
-from .measure import Problem, abstract
-from .meshes import mesh_for as _mesh
-from .result import Candidate, Plan
 
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
@@ -50,7 +45,7 @@ def auto_plan(
     rules: Sequence[Any] = (),
     links: Any = None,
     devices_per_node: int | None = None,
-    flops_per_second: float = links_.DEFAULT_FLOPS,
+    flops_per_second: float = DEFAULT_FLOPS,
     compile_limit: int = COMPILE_LIMIT,
     progress: bool | None = None,
 ) -> Plan:
@@ -148,159 +143,25 @@ def auto_plan(
         print(plan)
         ```
     """
-    n, available = args_.resolve_devices(devices)
-    budget_bytes = args_.resolve_budget(budget, available)
-    args_.check_options(optimizer, flops_per_second, rules, compile_limit)
-    node = topology.check_devices_per_node(devices_per_node, n)
-    model_abs = abstract(model)
-    batch_abs = abstract(batch)
-    size = args_.batch_size(batch_abs)
-    opt_abs = None
-    if optimizer is not None:
-        opt_abs = jax.eval_shape(optimizer.init, eqx.filter(model_abs, is_array_like))
-    own = args_.trace_step(step, model_abs, opt_abs, batch_abs, optimizer is not None)
-    given = topology.resolve(links, ("data", "fsdp", "model", own.axis if own else stages_.AXIS))
-    problem = Problem(step, model_abs, opt_abs, batch_abs)
-    trace_args = (
-        (model_abs, opt_abs, batch_abs) if optimizer is not None else (model_abs, batch_abs)
+    traced = trace(
+        step,
+        model,
+        batch,
+        devices=devices,
+        budget=budget,
+        optimizer=optimizer,
+        rules=rules,
+        links=links,
+        devices_per_node=devices_per_node,
+        flops_per_second=flops_per_second,
+        compile_limit=compile_limit,
+        progress=progress,
     )
-    problem_key = (step, _shapes_key(model_abs), _shapes_key(opt_abs), _shapes_key(batch_abs))
-    local = len(available)
-    reach = max(compile_limit, 1)
-    paths = list(stacks(model_abs))
-    with stages_step.tracing(own):
-        loops = flops_.loop_ratio(step, *trace_args)
-        flops = flops_.matmul_flops(step, *trace_args) if paths or own else 0.0
-    stage_link = topology.axis_links({stages_.AXIS: n}, given, node)[stages_.AXIS]
-    piped, skipped = stages_.layouts(model_abs, n, size, flops, flops_per_second, stage_link)
-    if own is not None:  # only meshes with the step's own stage axis can run it
-        piped, skipped = stages_step.layouts(model_abs, own, n, size, reach)
-    scaled: list = []  # stage layouts above `reach`: compiled once the others are ranked
-    if n > reach and own is None:
-        scaled, too_large = stages_scaled.compilable(piped, reach)
-        piped, skipped = [], stages_scaled.instead(skipped, too_large)
-    work = [
-        jobs.place(problem, layout, size, reach, available, budget_bytes)
-        for layout in ([] if own else layouts(model_abs, n, list(rules))) + piped
-    ]
-
-    def row(job: jobs.Job, ratio: float = 1.0) -> Candidate:
-        c = rank_.candidate(
-            job.layout,
-            job.exact,
-            job.rejected,
-            batch_proxies.measured(job),
-            None if job.small is None else (job.small, job.placed),  # type: ignore[arg-type]
-            job.where,
-            budget_bytes,
-            topology.axis_links(job.layout.shape, given, node),
-            flops_per_second / loops,
-            job.host,
-        )
-        c = stages_.timed(c, job.layout, flops, n, flops_per_second, ratio)
-        return remat_.with_choices(c, job.layout, stages_.options(job.layout))
-
-    batch_proxies.measure(problem, problem_key, work, local, progress)
-    batch_proxies.settle(problem, problem_key, work, local, progress, row, budget_bytes)
-    candidates = [row(job) for job in work]
-    if scaled:
-        fastest = min((c for c in candidates if c.fits), key=lambda c: c.time or 0, default=None)
-        best = None if fastest is None else fastest.time or 0
-        like = None if fastest is None else fastest.mesh_shape
-        scaled, unlike = stages_scaled.like_fastest(scaled, like)
-        placed = [jobs.place(problem, v, size, reach, available, budget_bytes) for v in scaled]
-        by_mesh = {repr(v.shape): topology.axis_links(v.shape, given, node) for v in scaled}
-        more, dominated = stages_scaled.worth(placed, best, flops, n, flops_per_second, by_mesh)
-        batch_proxies.measure(problem, problem_key, more, local, progress)
-        work += more
-        candidates += [row(job) for job in more]
-        skipped = stages_scaled.instead(skipped, dominated + unlike)
-    if problem.trains and offload_.supported(available):
-        # The optimiser state in host memory, for the layouts only that would then fit,
-        # and could then be faster than the fastest that fits already.
-        best = min((c.time or 0 for c in candidates if c.fits), default=None)
-        extra = []
-        for job, c in zip(work, list(candidates), strict=True):
-            state = job.exact.get("optimizer state", 0)
-            if not offload_.could_fit(c.total_bytes, state, budget_bytes):
-                continue
-            layout = offload_.variant(job.layout)
-            links_here = topology.axis_links(job.layout.shape, given, node)
-            floor = (c.time or 0.0) + offload_.seconds(state, links_here)
-            if best is None or floor < best:
-                extra.append(jobs.place(problem, layout, size, reach, available, budget_bytes))
-                continue
-            exact = job.exact | {"optimizer state": 0}
-            why = offload_.dominated(floor, best)
-            candidates.append(
-                rank_.candidate(layout, exact, why, None, None, "", budget_bytes, {}, 1.0, state)
-            )
-        jobs.measure_all(problem, problem_key, extra, local, progress)
-        candidates += [row(job) for job in extra]
-    if paths:
-        pending = [(job.layout, c) for job, c in zip(work, candidates, strict=False)]
-        candidates += skipped
-        traced = remat_traced.Traced(step, trace_args, lambda: stages_step.tracing(own))
-
-        def remat_rows(todo: list[tuple[Any, Any, Candidate]]) -> list[tuple[Any, Candidate]]:
-            """Each variant in `todo` compiled, with its row saying what it chose."""
-            extra = [
-                jobs.place(problem, v, size, reach, available, budget_bytes) for v, _, _ in todo
-            ]
-            jobs.measure_all(problem, problem_key, extra, local, progress)
-            made = []
-            for job, (v, _, c) in zip(extra, todo, strict=True):
-                # A pipeline's compute is the model's flops, times what the remat adds to them.
-                first = row(job, traced.recomputed(v.remat, ()) if v.pipeline else 1.0)
-                links_here = topology.axis_links(v.shape, given, node)
-                apart = getattr(batch_proxies.measured(job), "host_temp", 0)
-                row_ = remat_.described(first, v, c, traced, budget_bytes, links_here, apart)
-                made.append((v, row_))
-            return made
-
-        tried: list[tuple[Any, Any, Candidate, Candidate]] = []
-        for policies in (remat_.FIRST, remat_.THEN):
-            if not offload_.supported(available):
-                policies = tuple(p for p in policies if p != "offload")
-            best = min((c.time for c in candidates if c.fits and c.time), default=None)
-            todo, pruned = remat_.worth(pending, paths, policies, best)
-            for v, c in pruned:
-                row_ = remat_.dominated(v, c, best or 0.0)
-                candidates.append(remat_.with_choices(row_, v, stages_.options(v)))
-            todo, same = remat_.saving(todo, traced)  # no fewer bytes than the model's own
-            candidates += [remat_.with_choices(r, v, stages_.options(v)) for v, _, _, r in same]
-            # Where every stack rematerialised fits, the fewest stacks that would, alone.
-            mixes, made = remat_mix.mixes(todo, remat_rows(todo), traced, budget_bytes)
-            made += remat_rows(mixes)
-            candidates += [c for _, c in made]
-            tried += [
-                (v, base, c, r) for (v, base, c), (_, r) in zip(todo + mixes, made, strict=True)
-            ]
-            pending = [
-                (base, c)
-                for (v, base, c), (_, r) in zip(todo, made, strict=False)
-                if not r.fits and remat_.policy_of(v) in remat_.FIRST
-            ] + [(b, c) for v, b, c, _ in same if remat_.policy_of(v) in remat_.FIRST]
-            pending = list({id(b): (b, c) for b, c in pending}.values())
-        if problem.trains and offload_.supported(available):
-            # Rematerialised and still over, but not by more than the optimiser state: that
-            # in host memory too (dominated when its trips alone make it slower).
-            best = min((c.time for c in candidates if c.fits and c.time), default=None)
-            both, slow = offload_.after_remat(tried, budget_bytes, best, given, node)
-            candidates += [remat_.with_choices(c, v, stages_.options(v)) for v, c in slow]
-            candidates += [c for _, c in remat_rows(both)]
-    table = rank_.rank(candidates + (skipped if own else []), budget_bytes)
-    if not table[0].fits:
-        raise rank_.nothing_fits(table, budget_bytes, n, size)
-    by_mesh = {repr(c.mesh_shape): topology.axis_links(c.mesh_shape, given, node) for c in table}
-    table = stages_step.why_chosen(table, by_mesh, own)
-    return Plan(
-        mesh=_mesh(table[0].mesh_shape, available),
-        rules=table[0].rules,
-        batch_spec=batch_spec(table[0].mesh_shape),
-        table=table,
-        budget=budget_bytes,
-        offload=table[0].offload,
-        remat=table[0].remat,
-        pipeline=table[0].pipeline,
-    )
+    dimensions = registry.DIMENSIONS
+    proposal = propose(traced, dimensions)
+    search = measure(traced, dimensions, proposal)
+    # Meshes above `compile_limit` are weighed against the fastest of those measured.
+    search = scale(search, proposal)
+    # Offload and remat vary the measured layouts that are over budget.
+    search = refine(search)
+    return rank(search)

@@ -17,8 +17,7 @@ from ..._placement.put import filter_put
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
 from ..plan import filter_plan
-from .choices import IN_STEP
-from .measure import HOST
+from .choices import HOST_MEMORY_KIND as HOST, IN_STEP
 
 
 def host_layout(opt_state: Any, mesh: Any, rules: Any) -> Any:

@@ -1,54 +1,15 @@
 """How a `Plan` shows itself: a text table for `print`, and for a notebook an HTML table
 under an SVG chart of each candidate's bytes per device against the budget (drawn here,
-no plotting library needed)."""
+no plotting library needed). Each function reads the plan's table (its `Candidate` rows),
+its budget and its summary line, as `Plan` passes them."""
 
 from __future__ import annotations
 
 import html
 from collections.abc import Sequence
-from typing import Protocol
 
 from ..._tree import format_bytes
-
-
-# What the view reads of a `Candidate` and a `Plan` (`result.py`), named here so that this
-# module needs no import of the plan, which shows itself through this module.
-class CandidateLike(Protocol):
-    @property
-    def rank(self) -> int: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def mesh_shape(self) -> dict[str, int]: ...
-    @property
-    def bytes(self) -> dict[str, int]: ...
-    @property
-    def total_bytes(self) -> int | None: ...
-    @property
-    def collectives(self) -> dict[str, int]: ...
-    @property
-    def time(self) -> float | None: ...
-    @property
-    def fits(self) -> bool: ...
-    @property
-    def estimated(self) -> bool: ...
-    @property
-    def reason(self) -> str: ...
-    @property
-    def host_bytes(self) -> int: ...
-    @property
-    def offload(self) -> tuple[str, ...]: ...
-    @property
-    def remat(self) -> dict[str, str]: ...
-
-
-class PlanLike(Protocol):
-    @property
-    def table(self) -> Sequence[CandidateLike]: ...
-    @property
-    def budget(self) -> int: ...
-    def summary(self) -> str: ...
-
+from .candidate import Candidate
 
 PARTS = ("parameters", "gradients", "optimizer state", "batch", "activations")
 _COLOURS = ("#4878d0", "#6acc64", "#ee854a", "#956cb4", "#d65f5f")
@@ -81,13 +42,13 @@ def seconds_str(t: float | None) -> str:
     return f"{t * 1e9:.3g} ns"
 
 
-def _bytes(c: CandidateLike, part: str) -> str:
+def _bytes(c: Candidate, part: str) -> str:
     if part not in c.bytes:
         return "-"
     return ("~" if c.estimated and part == "activations" else "") + format_bytes(c.bytes[part])
 
 
-def collectives_str(c: CandidateLike) -> str:
+def collectives_str(c: Candidate) -> str:
     moved = [(k, v) for k, v in c.collectives.items() if v]
     if not moved:
         return "none" if c.total_bytes is not None else "-"
@@ -95,11 +56,12 @@ def collectives_str(c: CandidateLike) -> str:
     return ", ".join(f"{_SHORT[k]} {mark}{format_bytes(v)}" for k, v in moved)
 
 
-def rows(plan: PlanLike) -> tuple[list[str], list[list[str]]]:
-    parts = [p for p in PARTS if any(p in c.bytes for c in plan.table)]
+def rows(table: Sequence[Candidate]) -> tuple[list[str], list[list[str]]]:
+    """The table's header and each row's cells, as text."""
+    parts = [p for p in PARTS if any(p in c.bytes for c in table)]
     header = ["#", "layout", "mesh", *parts, "total", "sent per device", "time", "verdict"]
     body = []
-    for c in plan.table:
+    for c in table:
         total = "-" if c.total_bytes is None else format_bytes(c.total_bytes)
         body.append(
             [
@@ -116,31 +78,32 @@ def rows(plan: PlanLike) -> tuple[list[str], list[list[str]]]:
     return header, body
 
 
-def text(plan: PlanLike) -> str:
-    header, body = rows(plan)
+def text(table: Sequence[Candidate], summary: str) -> str:
+    """`summary`, then the table in columns (the verdict last, unpadded)."""
+    header, body = rows(table)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header) - 1)]
-    lines = [plan.summary(), ""]
+    lines = [summary, ""]
     for r in [header, *body]:
         cells = [r[i].ljust(widths[i]) for i in range(len(widths))]
         lines.append("  ".join(cells) + "  " + r[-1])
-    if any(c.estimated for c in plan.table):
+    if any(c.estimated for c in table):
         lines.append("~ estimated from a compile on fewer devices (see `Candidate.measured_on`).")
     return "\n".join(lines)
 
 
-def svg(plan: PlanLike, width: int = 640) -> str:
+def svg(table: Sequence[Candidate], budget: int, width: int = 640) -> str:
     """Stacked bars of bytes per device by part, one per measured candidate, and the budget
     as a red line; under a bar, a thin one for what the candidate holds in host memory (its
     optimiser state, when offloaded; the activations remat `"offload"` saves), on the same
     scale."""
-    shown = [c for c in plan.table if c.total_bytes is not None]
+    shown = [c for c in table if c.total_bytes is not None]
     if not shown:
         return ""
     labels = [f"{c.rank}. {c.name} ({mesh_str(c.mesh_shape)})" for c in shown]
     label_w = max(190, int(6.2 * max(len(t) for t in labels)) + 10)  # ~6 px a character
     width = max(width, label_w + 560)
     bar_h, host_h, gap, top = 14, 5, 6, 22
-    scale_max = max([plan.budget, *(c.total_bytes or 0 for c in shown)]) * 1.05
+    scale_max = max([budget, *(c.total_bytes or 0 for c in shown)]) * 1.05
     span = width - label_w - 10
     height = top + len(shown) * (bar_h + host_h + gap) + 10
     out = [
@@ -180,26 +143,27 @@ def svg(plan: PlanLike, width: int = 640) -> str:
                 f'fill="{_COLOURS[2]}" opacity="{1.0 if c.fits else 0.45}">'
                 f"<title>{tip}</title></rect>"
             )
-    bx = label_w + plan.budget / scale_max * span
+    bx = label_w + budget / scale_max * span
     out.append(
         f'<line x1="{bx:.1f}" y1="{top - 4}" x2="{bx:.1f}" y2="{height - 4}" stroke="red" '
         'stroke-dasharray="4 2"/>'
     )
     out.append(
         f'<text x="{bx - 4:.1f}" y="{height - 1}" fill="red" text-anchor="end">budget '
-        f"{html.escape(format_bytes(plan.budget))}</text>"
+        f"{html.escape(format_bytes(budget))}</text>"
     )
     out.append("</svg>")
     return "".join(out)
 
 
-def to_html(plan: PlanLike) -> str:
-    header, body = rows(plan)
+def to_html(table: Sequence[Candidate], budget: int, summary: str) -> str:
+    """`summary`, the chart (`svg`) and the table, in HTML."""
+    header, body = rows(table)
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     trs = "".join(
         "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in r) + "</tr>" for r in body
     )
     return (
-        f"<div><p>{html.escape(plan.summary())}</p>{svg(plan)}"
+        f"<div><p>{html.escape(summary)}</p>{svg(table, budget)}"
         f"<table><thead><tr>{head}</tr></thead><tbody>{trs}</tbody></table></div>"
     )

@@ -1,0 +1,31 @@
+"""The rank phase: every row ranked into the table, the chosen one's reasons said by the
+dimensions that chose it, and the `Plan` of the first row."""
+
+from __future__ import annotations
+
+from ..dimensions.base import Search
+from ..layout import batch_spec
+from ..meshes import mesh_for
+from ..result import Plan
+from .table import nothing_fits, ranked
+
+
+def rank(search: Search) -> Plan:
+    """The plan of the fastest row that fits; raises when none fits."""
+    traced = search.traced
+    table = ranked(list(search.measured.rows), traced.budget)
+    if not table[0].fits:
+        raise nothing_fits(table, traced.budget, traced.devices, traced.batch_size)
+    for dimension in search.dimensions:
+        table = dimension.explain(table, traced)
+    chosen = table[0]
+    return Plan(
+        mesh=mesh_for(chosen.mesh_shape, traced.available),
+        rules=chosen.rules,
+        batch_spec=batch_spec(chosen.mesh_shape),
+        table=table,
+        budget=traced.budget,
+        offload=chosen.offload,
+        remat=chosen.remat,
+        pipeline=chosen.pipeline,
+    )
