@@ -1,0 +1,181 @@
+"""The `"ring"` strategy: key/value blocks passed round the context axis by `ppermute`.
+
+Each device keeps its queries and, over `C` steps, sees every key/value block once: it
+folds the visiting block into an online softmax (running max, sum and weighted values in
+float32) and passes the block on to the next device. No device ever holds more than its
+own block and one visiting block of keys, nor more than one `T/C x S/C` block of scores.
+
+The backward pass (a `jax.custom_vjp`) goes round the ring again, FlashAttention's way:
+the forward keeps only the queries, keys, values, output and each row's log-sum-exp;
+each step recomputes one block's weights, adds to the local query gradient, and adds to
+the key/value gradients that travel with their block (one last `ppermute` brings them
+home). Without it JAX would keep every step's scores for the backward pass: `T/C x S`.
+
+With `causal`, the blocks are in the zig-zag layout (see `zigzag`) and each step after the
+first computes only its unmasked half, chosen by `lax.switch`: the same work on every
+device.
+"""
+
+from __future__ import annotations
+
+import functools as ft
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from .. import _compat
+from .blocks import F32, Block, State, finish, grads, start, update
+from .zigzag import from_zigzag, positions, to_zigzag
+
+
+class Ring(NamedTuple):
+    axis: str
+    size: int
+    causal: bool
+    scale: float
+
+
+# Which part of a step's queries x keys is computed (causal, zig-zag layout only).
+_ALL, _EARLY_KEYS, _LATE_QUERIES = 0, 1, 2
+
+
+def ring_attention(ring: Ring, q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
+    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks."""
+    if not ring.causal:
+        return _ring(ring, q, k, v, mask, seg)
+    moved = [
+        None if x is None else to_zigzag(x, axis=ring.axis, size=ring.size)
+        for x in (q, k, v, mask, seg)
+    ]
+    out = _ring(ring, *moved)
+    return from_zigzag(out, axis=ring.axis, size=ring.size)
+
+
+def _part(case: Any, block: Block) -> tuple[slice, slice]:
+    """The rows (queries) and columns (keys) a step computes."""
+    every = slice(None)
+    if case == _EARLY_KEYS:  # the visiting keys come before all of mine: their early half
+        return every, slice(0, block.k.shape[1] // 2)
+    if case == _LATE_QUERIES:  # they come after my early queries: my late half sees them
+        return slice(block.q.shape[1] // 2, None), every
+    return every, every
+
+
+def _case(ring: Ring, step: Any, src: Any, me: Any) -> Any:
+    return jnp.where(step == 0, _ALL, jnp.where(src < me, _EARLY_KEYS, _LATE_QUERIES))
+
+
+def _block(ring: Ring, me: Any, src: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, kseg: Any):
+    tq, tk = q.shape[1], k.shape[1]
+    qpos = positions(me, tq, size=ring.size, zigzag=ring.causal)
+    kpos = positions(src, tk, size=ring.size, zigzag=ring.causal)
+    cols = None if mask is None else jnp.take(mask, kpos, axis=2)
+    return Block(q, qpos, seg, k, v, kpos, kseg, cols)
+
+
+def _each_case(ring: Ring, step: Any, src: Any, me: Any, run: Any, *args: Any) -> Any:
+    """`run(case, *args)` for this step's case: one call, or a `lax.switch` when causal."""
+    if not ring.causal:
+        return run(_ALL, *args)
+    cases = [ft.partial(run, c) for c in (_ALL, _EARLY_KEYS, _LATE_QUERIES)]
+    return jax.lax.switch(_case(ring, step, src, me), cases, *args)
+
+
+def _next(ring: Ring, xs: Any) -> Any:
+    perm = [(j, (j + 1) % ring.size) for j in range(ring.size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, ring.axis, perm), xs)
+
+
+def _forward(ring: Ring, q, k, v, mask, seg) -> tuple[Any, Any]:
+    me = jax.lax.axis_index(ring.axis)
+    b, tq, g, r, _ = q.shape
+    vary = ft.partial(_compat.to_varying, axis=ring.axis)
+    state0 = State(*map(vary, start(b, g, r, tq, v.shape[-1])))
+
+    def fold(step: Any, state: State, travel: tuple) -> State:
+        src = (me - step) % ring.size
+        block = _block(ring, me, src, q, *travel[:2], mask, seg, travel[2])
+
+        def run(case: int, state: State) -> State:
+            rows, cols = _part(case, block)
+            new = update(
+                _rows(state, rows), block.part(rows, cols), causal=ring.causal, scale=ring.scale
+            )
+            return _set_rows(state, rows, new)
+
+        return _each_case(ring, step, src, me, run, state)
+
+    def body(step: Any, carry: tuple) -> tuple:
+        state, travel = carry
+        return fold(step, state, travel), _next(ring, travel)
+
+    state, travel = jax.lax.fori_loop(0, ring.size - 1, body, (state0, (k, v, seg)))
+    return finish(fold(ring.size - 1, state, travel))
+
+
+def _rows(state: State, rows: slice) -> State:
+    return State(state.m[..., rows], state.l[..., rows], state.acc[:, :, :, rows])
+
+
+def _set_rows(state: State, rows: slice, new: State) -> State:
+    if rows == slice(None):
+        return new
+    return State(
+        state.m.at[..., rows].set(new.m),
+        state.l.at[..., rows].set(new.l),
+        state.acc.at[:, :, :, rows].set(new.acc),
+    )
+
+
+@ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(ring: Ring, q, k, v, mask, seg) -> Any:
+    return _forward(ring, q, k, v, mask, seg)[0]
+
+
+def _ring_fwd(ring: Ring, q, k, v, mask, seg) -> tuple[Any, tuple]:
+    out, lse = _forward(ring, q, k, v, mask, seg)
+    return out, (q, k, v, mask, seg, out, lse)
+
+
+def _ring_bwd(ring: Ring, res: tuple, dout: Any) -> tuple:
+    q, k, v, mask, seg, out, lse = res
+    me = jax.lax.axis_index(ring.axis)
+    dout = jnp.moveaxis(dout.astype(F32), 1, 3)  # (B, G, R, Tq, Dv), as the row stats
+    delta = jnp.sum(dout * jnp.moveaxis(out, 1, 3), axis=-1)
+    vary = ft.partial(_compat.to_varying, axis=ring.axis)
+    dq0 = vary(jnp.zeros(q.shape, F32))
+    dkv0 = (vary(jnp.zeros(k.shape, F32)), vary(jnp.zeros(v.shape, F32)))
+
+    def fold(step: Any, dq: Any, travel: tuple) -> tuple[Any, tuple]:
+        k, v, kseg, dk, dv = travel
+        src = (me - step) % ring.size
+        block = _block(ring, me, src, q, k, v, mask, seg, kseg)
+
+        def run(case: int, dq: Any, dk: Any, dv: Any) -> tuple:
+            rows, cols = _part(case, block)
+            g = grads(
+                block.part(rows, cols),
+                dout[:, :, :, rows],
+                lse[..., rows],
+                delta[..., rows],
+                causal=ring.causal,
+                scale=ring.scale,
+            )
+            return dq.at[:, rows].add(g.dq), dk.at[:, cols].add(g.dk), dv.at[:, cols].add(g.dv)
+
+        dq, dk, dv = _each_case(ring, step, src, me, run, dq, dk, dv)
+        return dq, (k, v, kseg, dk, dv)
+
+    def body(step: Any, carry: tuple) -> tuple:
+        dq, travel = carry
+        dq, travel = fold(step, dq, travel)
+        return dq, _next(ring, travel)
+
+    dq, travel = jax.lax.fori_loop(0, ring.size - 1, body, (dq0, (k, v, seg, *dkv0)))
+    dq, travel = fold(ring.size - 1, dq, travel)
+    dk, dv = _next(ring, travel[3:])  # home: the block each device started with
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
