@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .. import _compat
 from .blocks import F32, Block, State, finish, grads, start, update
 from .zigzag import from_zigzag, positions, to_zigzag
 
@@ -90,8 +89,6 @@ def _next(ring: Ring, xs: Any) -> Any:
 def _forward(ring: Ring, q, k, v, mask, seg) -> tuple[Any, Any]:
     me = jax.lax.axis_index(ring.axis)
     b, tq, g, r, _ = q.shape
-    vary = ft.partial(_compat.to_varying, axis=ring.axis)
-    state0 = State(*map(vary, start(b, g, r, tq, v.shape[-1])))
 
     def fold(step: Any, state: State, travel: tuple) -> State:
         src = (me - step) % ring.size
@@ -99,19 +96,23 @@ def _forward(ring: Ring, q, k, v, mask, seg) -> tuple[Any, Any]:
 
         def run(case: int, state: State) -> State:
             rows, cols = _part(case, block)
-            new = update(
-                _rows(state, rows), block.part(rows, cols), causal=ring.causal, scale=ring.scale
-            )
+            part = block.part(rows, cols)
+            new = update(_rows(state, rows), part, causal=ring.causal, scale=ring.scale)
             return _set_rows(state, rows, new)
 
         return _each_case(ring, step, src, me, run, state)
 
     def body(step: Any, carry: tuple) -> tuple:
         state, travel = carry
-        return fold(step, state, travel), _next(ring, travel)
+        travel = _next(ring, travel)
+        return fold(step, state, travel), travel
 
-    state, travel = jax.lax.fori_loop(0, ring.size - 1, body, (state0, (k, v, seg)))
-    return finish(fold(ring.size - 1, state, travel))
+    # The first step outside the loop: its state has the layout (a batch split over an
+    # Explicit data axis) and the varying type over the axis that the loop carries.
+    travel = (k, v, seg)
+    state = fold(0, start(b, g, r, tq, v.shape[-1]), travel)
+    state, _ = jax.lax.fori_loop(1, ring.size, body, (state, travel))
+    return finish(state)
 
 
 def _rows(state: State, rows: slice) -> State:
@@ -143,39 +144,40 @@ def _ring_bwd(ring: Ring, res: tuple, dout: Any) -> tuple:
     me = jax.lax.axis_index(ring.axis)
     dout = jnp.moveaxis(dout.astype(F32), 1, 3)  # (B, G, R, Tq, Dv), as the row stats
     delta = jnp.sum(dout * jnp.moveaxis(out, 1, 3), axis=-1)
-    vary = ft.partial(_compat.to_varying, axis=ring.axis)
-    dq0 = vary(jnp.zeros(q.shape, F32))
-    dkv0 = (vary(jnp.zeros(k.shape, F32)), vary(jnp.zeros(v.shape, F32)))
 
-    def fold(step: Any, dq: Any, travel: tuple) -> tuple[Any, tuple]:
-        k, v, kseg, dk, dv = travel
+    def fold(step: Any, travel: tuple) -> tuple:
+        """This step's gradients, each the shape of its whole block."""
+        k, v, kseg = travel[:3]
         src = (me - step) % ring.size
         block = _block(ring, me, src, q, k, v, mask, seg, kseg)
 
-        def run(case: int, dq: Any, dk: Any, dv: Any) -> tuple:
+        def run(case: int) -> tuple:
             rows, cols = _part(case, block)
-            g = grads(
-                block.part(rows, cols),
-                dout[:, :, :, rows],
-                lse[..., rows],
-                delta[..., rows],
-                causal=ring.causal,
-                scale=ring.scale,
-            )
-            return dq.at[:, rows].add(g.dq), dk.at[:, cols].add(g.dk), dv.at[:, cols].add(g.dv)
+            part = block.part(rows, cols)
+            stats = (dout[:, :, :, rows], lse[..., rows], delta[..., rows])
+            g = grads(part, *stats, causal=ring.causal, scale=ring.scale)
+            return _whole(g.dq, rows), _whole(g.dk, cols), _whole(g.dv, cols)
 
-        dq, dk, dv = _each_case(ring, step, src, me, run, dq, dk, dv)
-        return dq, (k, v, kseg, dk, dv)
+        return _each_case(ring, step, src, me, run)
 
     def body(step: Any, carry: tuple) -> tuple:
         dq, travel = carry
-        dq, travel = fold(step, dq, travel)
-        return dq, _next(ring, travel)
+        travel = _next(ring, travel)
+        more = fold(step, travel)
+        return dq + more[0], (*travel[:3], travel[3] + more[1], travel[4] + more[2])
 
-    dq, travel = jax.lax.fori_loop(0, ring.size - 1, body, (dq0, (k, v, seg, *dkv0)))
-    dq, travel = fold(ring.size - 1, dq, travel)
+    dq, dk, dv = fold(0, (k, v, seg))  # outside the loop, as in `_forward`
+    dq, travel = jax.lax.fori_loop(1, ring.size, body, (dq, (k, v, seg, dk, dv)))
     dk, dv = _next(ring, travel[3:])  # home: the block each device started with
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+def _whole(x: Any, part: slice) -> Any:
+    """A half block's gradient `x` (dim 1) in its place in the whole block, zeros beside."""
+    if part == slice(None):
+        return x
+    halves = [jnp.zeros_like(x), x] if part.start else [x, jnp.zeros_like(x)]
+    return jnp.concatenate(halves, axis=1)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,189 @@
+"""`context_attention` against attention on one device, written here in plain JAX: values
+and gradients with respect to query, key and value, the output's layout, each strategy's
+collectives and the ring's memory, and every bad input's error."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_sharding, make_mesh, named
+
+import eqxshard
+
+T, H, D = 32, 4, 8
+
+
+def reference(q, k, v, mask=None, segment_ids=None, causal=False, scale=None):
+    """Attention on one device: softmax over the keys a query may see (a query that sees
+    none gets 0), grouped-query heads by repeating each key head."""
+    t, h, dk = q.shape[-3:]
+    s, g = k.shape[-3], k.shape[-2]
+    scale = 1 / math.sqrt(dk) if scale is None else scale
+    k, v = jnp.repeat(k, h // g, axis=-2), jnp.repeat(v, h // g, axis=-2)
+    scores = jnp.einsum("...qhd,...khd->...hqk", q, k) * scale
+    valid = jnp.ones(scores.shape, bool)
+    if causal:
+        valid &= jnp.tril(jnp.ones((t, s), bool))
+    if mask is not None:
+        valid &= mask[..., None, :, :]
+    if segment_ids is not None:
+        valid &= (segment_ids[..., :, None] == segment_ids[..., None, :])[..., None, :, :]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0))
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    weights = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1), 0)
+    return jnp.einsum("...hqk,...khd->...qhd", weights, v)
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    kind: str = "auto"  # the mesh's axis types
+    data: int = 1  # the size of a "data" axis before "context" (1: no data axis)
+    context: int = 4
+    causal: bool = False
+    key_heads: int = 2
+    mask: bool = False
+    segments: bool = False
+    lead: tuple[int, ...] = (2,)
+
+    def mesh(self):
+        if self.data == 1:
+            return make_mesh(self.kind, (self.context,), ("context",))
+        return make_mesh(self.kind, (self.data, self.context), ("data", "context"))
+
+    def layout(self):
+        """How the inputs and the output are laid out: batch over data, sequence over context."""
+        batch = ["data" if self.data > 1 and i == 0 else None for i in range(len(self.lead))]
+        return (*batch, "context")
+
+
+def inputs(case: Case, seed: int = 0):
+    """Query, key, value, mask and segment ids; query 3 of the first example sees no key."""
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(keys[0], (*case.lead, T, H, D))
+    k = jax.random.normal(keys[1], (*case.lead, T, case.key_heads, D))
+    v = jax.random.normal(keys[2], (*case.lead, T, case.key_heads, D))
+    mask = seg = None
+    if case.mask:
+        mask = jax.random.bernoulli(keys[3], 0.7, (*case.lead, T, T))
+        mask = mask.at[(0,) * len(case.lead) + (3,)].set(False)
+    if case.segments:
+        seg = jnp.sort(jax.random.randint(keys[4], (*case.lead, T), 0, 3), axis=-1)
+    return q, k, v, mask, seg
+
+
+def _loss_and_grads(attention):
+    def loss(q, k, v):
+        out = attention(q, k, v)
+        return jnp.sum(jnp.sin(out) * jnp.arange(out.shape[-1])), out
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+
+
+def _check_against_reference(case: Case, run) -> None:
+    """`run(attention)` calls `_loss_and_grads(attention)` on the inputs as it likes."""
+    q, k, v, mask, seg = inputs(case)
+    mesh = case.mesh()
+    split = named(mesh, *case.layout())
+    placed = [jax.device_put(x, split) if case.data > 1 else x for x in (q, k, v)]
+
+    def attention(q, k, v):
+        return eqxshard.context_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            segment_ids=seg,
+            causal=case.causal,
+            mesh=mesh,
+            strategy=case.strategy,
+        )
+
+    def plain(q, k, v):
+        return reference(q, k, v, mask, seg, case.causal)
+
+    (_, out), grads = run(_loss_and_grads(attention), *placed)
+    (_, expected), expected_grads = _loss_and_grads(plain)(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert_sharding(out.sharding, split, out.ndim)  # the sequence stays split
+    if case.mask:  # a query that sees no key: 0, and no NaN in any gradient
+        np.testing.assert_array_equal(np.asarray(out)[(0,) * len(case.lead) + (3,)], 0)
+
+
+CASES = [
+    Case("ring", causal=True, mask=True, segments=True),
+    Case("ring", kind="explicit", data=2, key_heads=1, mask=True),
+    Case("ring", context=8, causal=True, key_heads=4, lead=()),
+    Case("all_gather", kind="explicit", causal=True, segments=True),
+    Case("all_gather", data=2, mask=True, lead=(2, 3)),
+    Case("all_to_all", causal=True, mask=True, segments=True),  # 2 key heads over 4: repeated
+    Case("all_to_all", kind="explicit", data=2, key_heads=4, segments=True),
+]
+
+
+def _case_id(case: Case) -> str:
+    parts = [case.strategy, case.kind, f"data{case.data}" if case.data > 1 else ""]
+    parts += [f"context{case.context}", f"G{case.key_heads}", f"lead{len(case.lead)}"]
+    parts += [name for name in ("causal", "mask", "segments") if getattr(case, name)]
+    return "-".join(p for p in parts if p)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_matches_attention_on_one_device_under_jit(case: Case):
+    _check_against_reference(case, lambda f, *args: jax.jit(f)(*args))
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("key_heads", [1, 4])
+@pytest.mark.parametrize("data", [1, 2])
+def test_matches_attention_on_one_device_every_combination(strategy, kind, causal, key_heads, data):
+    case = Case(strategy, kind, data, 8 // data, causal, key_heads, mask=True, segments=True)
+    _check_against_reference(case, lambda f, *args: jax.jit(f)(*args))
+
+
+def test_eagerly_and_under_filter_jit_with_the_mesh_set():
+    case = Case("ring", causal=True, mask=True)
+    _check_against_reference(case, lambda f, *args: f(*args))
+    _check_against_reference(case, lambda f, *args: eqx.filter_jit(f)(*args))
+    q, k, v, _, _ = inputs(case)
+    mesh = case.mesh()
+    with jax.set_mesh(mesh):
+        out = eqxshard.context_attention(q, k, v, causal=True)
+    np.testing.assert_allclose(out, reference(q, k, v, causal=True), rtol=1e-5, atol=1e-5)
+    assert_sharding(out.sharding, named(mesh, None, "context"), out.ndim)
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_per_example_under_vmap(kind: str):
+    """The per-example call an Equinox model makes, batched by `jax.vmap`."""
+    case = Case("ring", kind=kind, causal=True, segments=True, lead=())
+    mesh = case.mesh()
+    q, k, v, _, seg = inputs(replace(case, lead=(3,)))
+
+    def one(q, k, v, seg):
+        return eqxshard.context_attention(q, k, v, segment_ids=seg, causal=True, mesh=mesh)
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(jax.vmap(one)(q, k, v, seg)))
+
+    def plain(q, k, v):
+        return jnp.sum(jnp.sin(reference(q, k, v, segment_ids=seg, causal=True)))
+
+    out, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    expected, expected_grads = jax.value_and_grad(plain, argnums=(0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
