@@ -187,3 +187,130 @@ def test_per_example_under_vmap(kind: str):
     np.testing.assert_allclose(out, expected, rtol=1e-5)
     for got, want in zip(grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _compiled(strategy: str, t: int, *, grad: bool, context: int = 4, causal: bool = False):
+    mesh = make_mesh("auto", (context,), ("context",))
+    q = jax.ShapeDtypeStruct((1, t, H, D), jnp.float32)
+
+    def attention(q, k, v):
+        out = eqxshard.context_attention(q, k, v, causal=causal, mesh=mesh, strategy=strategy)
+        return jnp.sum(out**2)
+
+    f = jax.grad(attention, argnums=(0, 1, 2)) if grad else attention
+    return jax.jit(f).lower(q, q, q).compile()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "collective"),
+    [("ring", "collective-permute"), ("all_gather", "all-gather"), ("all_to_all", "all-to-all")],
+)
+def test_each_strategy_compiles_to_its_collective(strategy: str, collective: str):
+    text = _compiled(strategy, T, grad=True).as_text()
+    assert collective in text
+    if strategy == "ring":  # keys and values only ever pass round, forward and backward
+        assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_the_ring_holds_no_score_block_of_the_whole_sequence():
+    """At T=1024 over 8 devices, a device's `T/C x T` scores are 2 MiB (all heads, float32):
+    the all-gather strategy holds them, the ring a few `T/C x T/C` blocks at a time
+    (forward: about 2.3 blocks' worth, 0.6 MiB; with its backward: 5.5, 1.4 MiB)."""
+    t, context = 1024, 8
+    block = (t // context) * t * H * 4
+    for grad in (False, True):
+        ring = _compiled("ring", t, grad=grad, context=context).memory_analysis()
+        gather = _compiled("all_gather", t, grad=grad, context=context).memory_analysis()
+        assert ring.temp_size_in_bytes < block <= gather.temp_size_in_bytes
+
+
+def _zeros(*shape, dtype=np.float32):
+    return np.zeros(shape, dtype)
+
+
+# (arguments changed from a good call, the error, the words it must say)
+BAD = {
+    "query_length": (
+        {"query": _zeros(2, 30, H, D)},
+        ValueError,
+        r"cannot split the sequence of `query` \(length 30\) evenly over mesh axis 'context' "
+        r"\(size 4\)\. Pad the sequence to a multiple of 4",
+    ),
+    "key_length": (
+        {"key": _zeros(2, 30, 2, D), "value": _zeros(2, 30, 2, D)},
+        ValueError,
+        r"sequence of `key` \(length 30\)",
+    ),
+    "causal_ring_chunks": (
+        {"query": _zeros(2, 36, H, D), "key": _zeros(2, 36, 2, D), "value": _zeros(2, 36, 2, D)},
+        ValueError,
+        r"causal=True, strategy='ring'\)` splits the sequence into 8 chunks.*Pad the sequence",
+    ),
+    "all_to_all_heads": (
+        {"query": _zeros(2, T, 6, D), "strategy": "all_to_all", "causal": False},
+        ValueError,
+        r"strategy='all_to_all'\)` splits the heads.*`query` has 6 heads, not a multiple of 4",
+    ),
+    "axis": ({"axis": "sequence"}, ValueError, r"`context_attention\(axis=\.\.\.\)` must name"),
+    "strategy": ({"strategy": "ulysses"}, ValueError, r"strategy=\.\.\.\)` must be one of"),
+    "widths": ({"key": _zeros(2, T, 2, 4)}, ValueError, r"same width Dk"),
+    "heads": (
+        {"key": _zeros(2, T, 3, D), "value": _zeros(2, T, 3, D)},
+        ValueError,
+        r"`query` has 4 heads and `key` has 3: the query heads must be a multiple",
+    ),
+    "key_value": ({"value": _zeros(2, T, 1, D)}, ValueError, r"must agree on S and G"),
+    "batch": ({"key": _zeros(3, T, 2, D)}, ValueError, r"same leading \(batch\) dims"),
+    "rank": ({"query": _zeros(T, D)}, ValueError, r"`query` must have shape \(\.\.\., T, H, Dk\)"),
+    "mask_shape": (
+        {"mask": _zeros(2, T, T - 1, dtype=bool)},
+        ValueError,
+        r"mask=\.\.\.\)` must have shape \(\.\.\., T, S\) = \(2, 32, 32\)",
+    ),
+    "mask_dtype": (
+        {"mask": _zeros(2, T, T)},
+        TypeError,
+        r"mask=\.\.\.\)` must be a boolean array, got dtype float32",
+    ),
+    "segments_shape": (
+        {"segment_ids": _zeros(2, T, 1, dtype=np.int32)},
+        ValueError,
+        r"segment_ids=\.\.\.\)` must have shape \(\.\.\., T\)",
+    ),
+    "segments_dtype": ({"segment_ids": _zeros(2, T)}, TypeError, r"must be an integer array"),
+    "segments_lengths": (
+        {
+            "key": _zeros(2, 16, 2, D),
+            "value": _zeros(2, 16, 2, D),
+            "causal": False,
+            "segment_ids": _zeros(2, T, dtype=np.int32),
+        },
+        ValueError,
+        r"segment_ids=\.\.\.\)` are shared by queries and keys",
+    ),
+    "causal_lengths": (
+        {"key": _zeros(2, 16, 2, D), "value": _zeros(2, 16, 2, D)},
+        ValueError,
+        r"causal=True\)` needs queries and keys of the same length",
+    ),
+    "causal_type": ({"causal": "yes"}, TypeError, r"`context_attention\(causal=\.\.\.\)` must"),
+    "scale_type": ({"scale": "big"}, TypeError, r"`context_attention\(scale=\.\.\.\)` must"),
+    "no_mesh": ({"mesh": None}, ValueError, r"without a `mesh` and no mesh is set"),
+    "mesh_type": ({"mesh": "context"}, TypeError, r"`context_attention\(mesh=\.\.\.\)` must"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_is_a_clear_error(name: str):
+    changes, error, words = BAD[name]
+    call = {
+        "query": _zeros(2, T, H, D),
+        "key": _zeros(2, T, 2, D),
+        "value": _zeros(2, T, 2, D),
+        "causal": True,
+        "mesh": make_mesh("auto", (4,), ("context",)),
+        **changes,
+    }
+    q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
+    with pytest.raises(error, match=words):
+        eqxshard.context_attention(q, k, v, **call)
