@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -207,6 +208,7 @@ def _compiled(strategy: str, t: int, *, grad: bool, context: int = 4, causal: bo
 )
 def test_each_strategy_compiles_to_its_collective(strategy: str, collective: str):
     text = _compiled(strategy, T, grad=True).as_text()
+    assert text is not None
     assert collective in text
     if strategy == "ring":  # keys and values only ever pass round, forward and backward
         assert "all-gather" not in text and "all-to-all" not in text
@@ -221,10 +223,11 @@ def test_the_ring_holds_no_score_block_of_the_whole_sequence():
     for grad in (False, True):
         ring = _compiled("ring", t, grad=grad, context=context).memory_analysis()
         gather = _compiled("all_gather", t, grad=grad, context=context).memory_analysis()
+        assert ring is not None and gather is not None
         assert ring.temp_size_in_bytes < block <= gather.temp_size_in_bytes
 
 
-def _zeros(*shape, dtype=np.float32):
+def _zeros(*shape: int, dtype: Any = np.float32) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from .. import _compat
+from .._caches import register
 from .._placement import place
 from .._tree import Flat
 from . import checks
@@ -37,6 +38,47 @@ def _batched(x: Any, problem: checks.Problem, dims: int) -> Any:
     if x.ndim == dims:  # a mask or segment ids shared by every example
         return jnp.broadcast_to(x, (batch, *x.shape))
     return jnp.reshape(x, (batch, *x.shape[x.ndim - dims :]))
+
+
+@register
+def _clear() -> None:
+    _program.cache_clear()
+
+
+@ft.lru_cache(maxsize=64)
+def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> Any:
+    """The whole computation, jitted: called eagerly it runs as one program (a
+    `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
+    run = _per_device(problem)
+    groups, axis = problem.key_heads, problem.axis
+    split = PartitionSpec(None, axis)
+
+    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
+        b, t, h, dk = q.shape
+        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg)
+        return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
+
+    @jax.jit
+    def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any) -> Any:
+        args = (
+            _batched(query, problem, 3),
+            _batched(key, problem, 3),
+            _batched(value, problem, 3),
+            _batched(mask, problem, 2),
+            _batched(segment_ids, problem, 1),
+        )
+        args = _laid_out(args, mesh, axis)
+        mapped = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=tuple(None if x is None else split for x in args),
+            out_specs=split,
+            axis_names=frozenset({axis}),
+        )
+        out = mapped(*args)
+        return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
+
+    return program
 
 
 def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, axis: str) -> tuple:
@@ -172,29 +214,5 @@ def context_attention(
         strategy=strategy,
     )
     dtype = jnp.result_type(query, key, value)
-    run = _per_device(problem)
-    groups = problem.key_heads
-
-    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
-        b, t, h, dk = q.shape
-        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg)
-        return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
-
-    split = PartitionSpec(None, axis)
-    args = (
-        _batched(query, problem, 3),
-        _batched(key, problem, 3),
-        _batched(value, problem, 3),
-        _batched(mask, problem, 2),
-        _batched(segment_ids, problem, 1),
-    )
-    args = _laid_out(args, mesh, axis)
-    mapped = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=tuple(None if x is None else split for x in args),
-        out_specs=split,
-        axis_names=frozenset({axis}),
-    )
-    out = mapped(*args)
-    return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
+    program = _program(problem, mesh, dtype)
+    return program(query, key, value, mask, segment_ids)

@@ -92,7 +92,8 @@ def _forward(ring: Ring, q, k, v, mask, seg) -> tuple[Any, Any]:
 
     def fold(step: Any, state: State, travel: tuple) -> State:
         src = (me - step) % ring.size
-        block = _block(ring, me, src, q, *travel[:2], mask, seg, travel[2])
+        k, v, kseg = travel
+        block = _block(ring, me, src, q, k, v, mask, seg, kseg)
 
         def run(case: int, state: State) -> State:
             rows, cols = _part(case, block)
