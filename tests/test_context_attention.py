@@ -54,6 +54,7 @@ class Case:
     mask: bool = False
     segments: bool = False
     lead: tuple[int, ...] = (2,)
+    shared: bool = False  # one mask / segment ids for every example, without batch dims
 
     def mesh(self):
         if self.data == 1:
@@ -73,11 +74,12 @@ def inputs(case: Case, seed: int = 0):
     k = jax.random.normal(keys[1], (*case.lead, T, case.key_heads, D))
     v = jax.random.normal(keys[2], (*case.lead, T, case.key_heads, D))
     mask = seg = None
+    lead = () if case.shared else case.lead
     if case.mask:
-        mask = jax.random.bernoulli(keys[3], 0.7, (*case.lead, T, T))
-        mask = mask.at[(0,) * len(case.lead) + (3,)].set(False)
+        mask = jax.random.bernoulli(keys[3], 0.7, (*lead, T, T))
+        mask = mask.at[(0,) * len(lead) + (3,)].set(False)
     if case.segments:
-        seg = jnp.sort(jax.random.randint(keys[4], (*case.lead, T), 0, 3), axis=-1)
+        seg = jnp.sort(jax.random.randint(keys[4], (*lead, T), 0, 3), axis=-1)
     return q, k, v, mask, seg
 
 
@@ -125,7 +127,7 @@ CASES = [
     Case("ring", causal=True, mask=True, segments=True),
     Case("ring", kind="explicit", data=2, key_heads=1, mask=True),
     Case("ring", context=8, causal=True, key_heads=4, lead=()),
-    Case("all_gather", kind="explicit", causal=True, segments=True),
+    Case("all_gather", kind="explicit", causal=True, mask=True, segments=True, shared=True),
     Case("all_gather", data=2, mask=True, lead=(2, 3)),
     Case("all_to_all", causal=True, mask=True, segments=True),  # 2 key heads over 4: repeated
     Case("all_to_all", kind="explicit", data=2, key_heads=4, segments=True),
@@ -135,7 +137,7 @@ CASES = [
 def _case_id(case: Case) -> str:
     parts = [case.strategy, case.kind, f"data{case.data}" if case.data > 1 else ""]
     parts += [f"context{case.context}", f"G{case.key_heads}", f"lead{len(case.lead)}"]
-    parts += [name for name in ("causal", "mask", "segments") if getattr(case, name)]
+    parts += [name for name in ("causal", "mask", "segments", "shared") if getattr(case, name)]
     return "-".join(p for p in parts if p)
 
 

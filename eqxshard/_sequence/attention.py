@@ -51,7 +51,6 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
     `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
     run = _per_device(problem)
     groups, axis = problem.key_heads, problem.axis
-    split = PartitionSpec(None, axis)
 
     def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
         b, t, h, dk = q.shape
@@ -67,13 +66,15 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
             _batched(mask, problem, 2),
             _batched(segment_ids, problem, 1),
         )
-        args = _laid_out(args, mesh, axis)
+        batch = _batch_axes(args[0], mesh, axis)
+        split = PartitionSpec(batch[0] if len(batch) == 1 else batch or None, axis)
+        args = _laid_out(args, mesh, split)
         mapped = jax.shard_map(
             per_device,
             mesh=mesh,
             in_specs=tuple(None if x is None else split for x in args),
             out_specs=split,
-            axis_names=frozenset({axis}),
+            axis_names=frozenset({axis, *batch}),
         )
         out = mapped(*args)
         return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
@@ -81,23 +82,31 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
     return program
 
 
-def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, axis: str) -> tuple:
-    """`args` with the sequence split over `axis`, where `axis` is Explicit: `jax.shard_map`
-    then takes only inputs already laid out so (on Auto axes it lays them out itself).
-    The batch dim keeps the Explicit axes it has (a data axis)."""
-    if _compat.axis_type_map(mesh)[axis] != AxisType.Explicit:
+def _batch_axes(query: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, ...]:
+    """The Explicit mesh axes (not `axis`) that split the query's batch dim (a data axis).
+
+    They are mapped by the `jax.shard_map` too, each device then holding its examples:
+    JAX 0.10 cannot transpose an `all_gather` whose operand is split over an Explicit axis
+    left outside the map. Auto axes are left to the compiler, which keeps the batch split.
+    """
+    sharding = _compat.traced_sharding(query)
+    entries = _compat.spec_entries(sharding.spec) if sharding is not None else ()
+    first = entries[0] if entries else None
+    names = () if first is None else first if isinstance(first, tuple) else (first,)
+    types = _compat.axis_type_map(mesh)
+    return tuple(n for n in names if n != axis and types.get(n) == AxisType.Explicit)
+
+
+def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, split: PartitionSpec) -> tuple:
+    """`args` laid out as `split` where it names Explicit axes: `jax.shard_map` then takes
+    only inputs already laid out so (on Auto axes it lays them out itself)."""
+    types = _compat.axis_type_map(mesh)
+    names = [n for entry in split for n in ((entry,) if isinstance(entry, str) else entry or ())]
+    if all(types[n] != AxisType.Explicit for n in names):
         return args
     flat = Flat(args)
-    shardings = {}
-    for i in flat.array_indices:
-        x = flat.leaves[i]
-        current = x.sharding if not _compat.is_tracer(x) else _compat.traced_sharding(x)
-        spec = getattr(current, "spec", None)
-        batch = _compat.spec_entries(spec)[0] if spec is not None and len(spec) else None
-        names = () if batch is None else batch if isinstance(batch, tuple) else (batch,)
-        names = tuple(n for n in names if n != axis and n in mesh.axis_names)
-        batch = None if not names else names[0] if len(names) == 1 else names
-        shardings[i] = NamedSharding(mesh, PartitionSpec(batch, axis))
+    sharding = NamedSharding(mesh, split)
+    shardings = dict.fromkeys(flat.array_indices, sharding)
     return tuple(flat.rebuild(place.place(checks.VERB, flat, shardings)))
 
 

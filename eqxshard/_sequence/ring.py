@@ -2,8 +2,9 @@
 
 Each device keeps its queries and, over `C` steps, sees every key/value block once: it
 folds the visiting block into an online softmax (running max, sum and weighted values in
-float32) and passes the block on to the next device. No device ever holds more than its
-own block and one visiting block of keys, nor more than one `T/C x S/C` block of scores.
+float32) and passes the block on to the next device. A device holds a few blocks of keys
+(its own, the visiting one, the one arriving), never the whole sequence's, and the
+scores of one `T/C x S/C` block at a time, never a `T/C x S` row of blocks.
 
 The backward pass (a `jax.custom_vjp`) goes round the ring again, FlashAttention's way:
 the forward keeps only the queries, keys, values, output and each row's log-sum-exp;
@@ -61,8 +62,10 @@ def _part(case: Any, block: Block) -> tuple[slice, slice]:
     return every, every
 
 
-def _case(ring: Ring, step: Any, src: Any, me: Any) -> Any:
-    return jnp.where(step == 0, _ALL, jnp.where(src < me, _EARLY_KEYS, _LATE_QUERIES))
+def _case(src: Any, me: Any) -> Any:
+    """A step after the first (the visiting keys are another device's): 0 where they come
+    before all of mine (`_EARLY_KEYS`), 1 where after my early queries (`_LATE_QUERIES`)."""
+    return jnp.where(src < me, 0, 1)
 
 
 def _block(ring: Ring, me: Any, src: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, kseg: Any):
@@ -74,11 +77,12 @@ def _block(ring: Ring, me: Any, src: Any, q: Any, k: Any, v: Any, mask: Any, seg
 
 
 def _each_case(ring: Ring, step: Any, src: Any, me: Any, run: Any, *args: Any) -> Any:
-    """`run(case, *args)` for this step's case: one call, or a `lax.switch` when causal."""
-    if not ring.causal:
+    """`run(case, *args)` for this step's case: one call where it is known (not causal, or
+    the first step: a device's own keys), else a `lax.switch`."""
+    if not ring.causal or (isinstance(step, int) and step == 0):
         return run(_ALL, *args)
-    cases = [ft.partial(run, c) for c in (_ALL, _EARLY_KEYS, _LATE_QUERIES)]
-    return jax.lax.switch(_case(ring, step, src, me), cases, *args)
+    cases = [ft.partial(run, c) for c in (_EARLY_KEYS, _LATE_QUERIES)]
+    return jax.lax.switch(_case(src, me), cases, *args)
 
 
 def _next(ring: Ring, xs: Any) -> Any:
