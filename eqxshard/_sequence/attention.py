@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
 from .._caches import register
@@ -106,7 +106,7 @@ def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, split: PartitionSpec) -> t
         return args
     flat = Flat(args)
     sharding = NamedSharding(mesh, split)
-    shardings = dict.fromkeys(flat.array_indices, sharding)
+    shardings: dict[int, Sharding] = dict.fromkeys(flat.array_indices, sharding)
     return tuple(flat.rebuild(place.place(checks.VERB, flat, shardings)))
 
 
