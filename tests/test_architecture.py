@@ -22,6 +22,7 @@ LAYERS = {
     "_placement": 1,
     "_mapping": 2,
     "_shard_map": 2,
+    "_sequence": 2,
     "_step": 2,
     "_pipeline": 3,
     "_plans": 4,

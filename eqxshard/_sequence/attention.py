@@ -1,0 +1,227 @@
+"""`context_attention`: attention with the sequence split over a mesh axis."""
+
+from __future__ import annotations
+
+import functools as ft
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec, Sharding
+
+from .. import _compat
+from .._caches import register
+from .._placement import place
+from .._tree import Flat
+from . import checks
+from .gather import gather_attention
+from .ring import Ring, ring_attention
+from .ulysses import ulysses_attention
+
+
+def _per_device(problem: checks.Problem) -> Any:
+    """The strategy's per-device function on 5-dim queries `(B, Tq, G, R, Dk)`."""
+    axis, size, causal, scale = problem.axis, problem.size, problem.causal, problem.scale
+    if problem.strategy == "ring":
+        return ft.partial(ring_attention, Ring(axis, size, causal, scale))
+    if problem.strategy == "all_gather":
+        return ft.partial(gather_attention, axis, causal, scale)
+    return ft.partial(ulysses_attention, axis, size, causal, scale)
+
+
+def _batched(x: Any, problem: checks.Problem, dims: int) -> Any:
+    """`x` with its leading dims as one batch dim (broadcast where it has none)."""
+    if x is None:
+        return None
+    batch = math.prod(problem.lead)
+    if x.ndim == dims:  # a mask or segment ids shared by every example
+        return jnp.broadcast_to(x, (batch, *x.shape))
+    return jnp.reshape(x, (batch, *x.shape[x.ndim - dims :]))
+
+
+@register
+def _clear() -> None:
+    _program.cache_clear()
+
+
+@ft.lru_cache(maxsize=64)
+def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> Any:
+    """The whole computation, jitted: called eagerly it runs as one program (a
+    `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
+    run = _per_device(problem)
+    groups, axis = problem.key_heads, problem.axis
+
+    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
+        b, t, h, dk = q.shape
+        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg)
+        return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
+
+    @jax.jit
+    def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any) -> Any:
+        args = (
+            _batched(query, problem, 3),
+            _batched(key, problem, 3),
+            _batched(value, problem, 3),
+            _batched(mask, problem, 2),
+            _batched(segment_ids, problem, 1),
+        )
+        batch = _batch_axes(args[0], mesh, axis)
+        split = PartitionSpec(batch[0] if len(batch) == 1 else batch or None, axis)
+        args = _laid_out(args, mesh, split)
+        mapped = jax.shard_map(
+            per_device,
+            mesh=mesh,
+            in_specs=tuple(None if x is None else split for x in args),
+            out_specs=split,
+            axis_names=frozenset({axis, *batch}),
+        )
+        out = mapped(*args)
+        return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
+
+    return program
+
+
+def _batch_axes(query: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, ...]:
+    """The Explicit mesh axes (not `axis`) that split the query's batch dim (a data axis).
+
+    They are mapped by the `jax.shard_map` too, each device then holding its examples:
+    JAX 0.10 cannot transpose an `all_gather` whose operand is split over an Explicit axis
+    left outside the map. Auto axes are left to the compiler, which keeps the batch split.
+    """
+    sharding = _compat.traced_sharding(query)
+    entries = _compat.spec_entries(sharding.spec) if sharding is not None else ()
+    first = entries[0] if entries else None
+    names = () if first is None else first if isinstance(first, tuple) else (first,)
+    types = _compat.axis_type_map(mesh)
+    return tuple(n for n in names if n != axis and types.get(n) == AxisType.Explicit)
+
+
+def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, split: PartitionSpec) -> tuple:
+    """`args` laid out as `split` where it names Explicit axes: `jax.shard_map` then takes
+    only inputs already laid out so (on Auto axes it lays them out itself)."""
+    types = _compat.axis_type_map(mesh)
+    names = [n for entry in split for n in ((entry,) if isinstance(entry, str) else entry or ())]
+    if all(types[n] != AxisType.Explicit for n in names):
+        return args
+    flat = Flat(args)
+    sharding = NamedSharding(mesh, split)
+    shardings: dict[int, Sharding] = dict.fromkeys(flat.array_indices, sharding)
+    return tuple(flat.rebuild(place.place(checks.VERB, flat, shardings)))
+
+
+def context_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    *,
+    mask: Any = None,
+    segment_ids: Any = None,
+    causal: bool = False,
+    scale: float | None = None,
+    mesh: Mesh | AbstractMesh | None = None,
+    axis: str = "context",
+    strategy: str = "ring",
+) -> jax.Array:
+    """Dot-product attention with the sequence split over the mesh axis `axis` (context
+    parallelism): `softmax(query key^T * scale, masked) value`, as one device computes it
+    (up to float32 summation order), for sequences too long for one device.
+
+    Works eagerly and inside `jax.jit` / `eqx.filter_jit`, with gradients with respect to
+    `query`, `key` and `value`, and under `jax.vmap` (call it per example, as an Equinox
+    model does). The sequence dim is laid out over `axis` (each device a contiguous block),
+    and the output keeps that layout; other mesh axes (a data axis splitting the batch)
+    stay as the inputs have them.
+
+    Scores and the softmax are computed in float32 whatever the inputs' dtype. A query
+    that may see no key at all (every key masked) gets the output 0 (and zero
+    gradients), not NaN and not an average of the values.
+
+    **Arguments:**
+
+    - `query`: `(..., T, H, Dk)`: any leading batch dims (or none), `T` queries, `H` heads.
+    - `key`: `(..., S, G, Dk)`, the same leading dims; `G` key heads, where `H` is a
+        multiple of `G` (grouped-query attention: query head `h` uses key head
+        `h // (H // G)`).
+    - `value`: `(..., S, G, Dv)`.
+    - `mask`: `None` (default), or a boolean `(..., T, S)` (or `(T, S)`, the same for
+        every example): `True` where a query may see a key (padding masks and the like).
+        Each device holds its queries' rows of it.
+    - `segment_ids`: `None` (default), or integers `(..., T)` (or `(T,)`), shared by
+        queries and keys (`T == S`): packed sequences, a query seeing only keys of its
+        own segment.
+    - `causal`: `True` for each query to see only keys at its position or before
+        (`T == S`). Combines with `mask` and `segment_ids` (all must allow a pair).
+    - `scale`: the factor on the scores, a Python number; `None` (default): `1/sqrt(Dk)`.
+    - `mesh`: the mesh whose axis `axis` splits the sequence (Auto or Explicit axes).
+        `None` (default): the mesh set by `jax.set_mesh`.
+    - `axis`: the mesh axis name to split the sequence over. Default `"context"`.
+    - `strategy`: how devices share keys and values:
+        - `"ring"` (default): key/value blocks go round the axis by `ppermute`; each
+            device folds each block into an online softmax, so it never holds more than
+            two blocks of keys nor more than a `T/C x S/C` block of scores (`C` the
+            axis size). Its backward pass goes round the ring again. With `causal`, the
+            sequence is cut into `2C` chunks and device `i` works on chunks `i` and
+            `2C-1-i` (moved there and back inside the function, so the caller's layout
+            stays the plain split): every device then does the same work, and the
+            masked half of every block is skipped.
+        - `"all_gather"`: every device gathers all keys and values: the simplest, for
+            short sequences; a `T/C x S` block of scores per device.
+        - `"all_to_all"` (DeepSpeed-Ulysses): an all-to-all trades the sequence split
+            for a head split, each device attends `H/C` heads over the whole sequence,
+            and a second all-to-all trades back. `H` must be a multiple of `C`; where `G`
+            is not, keys and values are first repeated to one per query head.
+
+    **Returns:**
+
+    An array `(..., T, H, Dv)` of the promoted dtype of `query`, `key` and `value`, with
+    its sequence dim split over `axis`.
+
+    **Raises:**
+
+    - `ValueError`: if no `mesh` is given and none is set; `axis` is not an axis of the
+        mesh; `strategy` is unknown; `query`, `key`, `value` have other leading dims,
+        widths (`Dk`), lengths or head counts that disagree (`H` not a multiple of `G`);
+        `T` or `S` is not divisible by the size of `axis` (with `causal` and the ring:
+        by twice the size); `causal` with `T != S`; `"all_to_all"` with `H` not divisible
+        by the size of `axis`; `mask` or `segment_ids` of the wrong shape, or
+        `segment_ids` with `T != S`.
+    - `TypeError`: if `mesh` is not a mesh, an input is not an array, `mask` is not
+        boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` is
+        not a number.
+
+    !!! Example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import eqxshard
+
+        auto = (jax.sharding.AxisType.Auto,)
+        mesh = jax.make_mesh((jax.device_count(),), ("context",), axis_types=auto)
+        q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 64, 4, 8))  # (B, T, H, D)
+
+        @jax.jit
+        def loss(q, k, v):
+            out = eqxshard.context_attention(q, k, v, causal=True, mesh=mesh)
+            return jnp.sum(out**2)
+
+        grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        ```
+    """
+    mesh = checks.mesh_of(mesh)
+    problem = checks.check(
+        query,
+        key,
+        value,
+        mask,
+        segment_ids,
+        causal=causal,
+        scale=scale,
+        mesh=mesh,
+        axis=axis,
+        strategy=strategy,
+    )
+    dtype = jnp.result_type(query, key, value)
+    program = _program(problem, mesh, dtype)
+    return program(query, key, value, mask, segment_ids)

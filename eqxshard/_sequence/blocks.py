@@ -1,0 +1,142 @@
+"""One block of queries against one block of keys: the arithmetic every strategy shares.
+
+Layouts, per device (`B` the flattened batch, `G` key heads, `R` query heads per key head):
+queries `(B, Tq, G, R, Dk)`, keys `(B, Tk, G, Dk)`, values `(B, Tk, G, Dv)`; the online
+softmax's running max `m` and sum `l` are `(B, G, R, Tq)` and its output sum `acc` is
+`(B, G, R, Tq, Dv)`, all float32 whatever the inputs' dtype.
+
+A query that may see no key (every key masked) gets the output 0 and zero gradients:
+its sum `l` stays 0, and `finish` writes 0 there instead of 0/0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+
+
+class Block(NamedTuple):
+    """The queries and keys of one block, with what decides which pairs may meet:
+    positions (for `causal`), segment ids (`None`: one segment) and the caller's boolean
+    mask rows x columns (`None`: every pair)."""
+
+    q: Any
+    qpos: Any
+    qseg: Any
+    k: Any
+    v: Any
+    kpos: Any
+    kseg: Any
+    mask: Any
+
+    def part(self, rows: slice, cols: slice) -> Block:
+        """The queries `rows` against the keys `cols` (static slices)."""
+        return Block(
+            self.q[:, rows],
+            self.qpos[rows],
+            None if self.qseg is None else self.qseg[:, rows],
+            self.k[:, cols],
+            self.v[:, cols],
+            self.kpos[cols],
+            None if self.kseg is None else self.kseg[:, cols],
+            None if self.mask is None else self.mask[:, rows, cols],
+        )
+
+    def valid(self, causal: bool) -> Any:
+        """Which query may see which key, `(B or 1, 1, 1, Tq, Tk)`; `None`: all of them."""
+        parts = []
+        if causal:
+            parts.append((self.qpos[:, None] >= self.kpos[None, :])[None])
+        if self.qseg is not None:
+            parts.append(self.qseg[:, :, None] == self.kseg[:, None, :])
+        if self.mask is not None:
+            parts.append(self.mask)
+        if not parts:
+            return None
+        valid = parts[0]
+        for p in parts[1:]:
+            valid = valid & p
+        return valid[:, None, None]
+
+
+class State(NamedTuple):
+    """The online softmax so far: running max `m`, sum `l` and weighted values `acc`."""
+
+    m: Any
+    l: Any  # noqa: E741
+    acc: Any
+
+
+def start(b: int, g: int, r: int, tq: int, dv: int) -> State:
+    return State(
+        jnp.full((b, g, r, tq), -jnp.inf, F32),
+        jnp.zeros((b, g, r, tq), F32),
+        jnp.zeros((b, g, r, tq, dv), F32),
+    )
+
+
+def scores(q: Any, k: Any, scale: float) -> Any:
+    """`q k^T * scale` per head, `(B, G, R, Tq, Tk)`, summed in float32."""
+    return jnp.einsum("bqgrd,bkgd->bgrqk", q, k, preferred_element_type=F32) * scale
+
+
+def update(state: State, block: Block, *, causal: bool, scale: float) -> State:
+    """`state` after the keys of `block`. The running max only steadies the exponentials
+    (the output does not depend on it), so no gradient flows through it."""
+    s = scores(block.q, block.k, scale)
+    valid = block.valid(causal)
+    if valid is not None:
+        s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.maximum(state.m, jax.lax.stop_gradient(jnp.max(s, axis=-1)))
+    base = jnp.where(jnp.isfinite(m), m, 0.0)  # a row that sees nothing yet: exp(-inf) = 0
+    p = jnp.exp(s - base[..., None])
+    shrink = jnp.exp(state.m - base)
+    l = state.l * shrink + jnp.sum(p, axis=-1)  # noqa: E741
+    pv = jnp.einsum("bgrqk,bkgd->bgrqd", p, block.v, preferred_element_type=F32)
+    return State(m, l, state.acc * shrink[..., None] + pv)
+
+
+def finish(state: State) -> tuple[Any, Any]:
+    """The output `(B, Tq, G, R, Dv)` (float32; 0 where a query saw no key) and the
+    log-sum-exp per row `(B, G, R, Tq)` (`inf` there, so that its weights are 0)."""
+    seen = state.l > 0
+    l = jnp.where(seen, state.l, 1.0)  # noqa: E741
+    out = jnp.where(seen[..., None], state.acc / l[..., None], 0.0)
+    lse = jnp.where(seen, state.m + jnp.log(l), jnp.inf)
+    return jnp.moveaxis(out, 3, 1), lse
+
+
+def attend(block: Block, *, causal: bool, scale: float) -> Any:
+    """Attention of every query of `block` on every key of it, `(B, Tq, G, R, Dv)`
+    float32: one online-softmax step, differentiated by JAX."""
+    b, tq, g, r, _ = block.q.shape
+    state = start(b, g, r, tq, block.v.shape[-1])
+    out, _ = finish(update(state, block, causal=causal, scale=scale))
+    return out
+
+
+class Grads(NamedTuple):
+    dq: Any  # (B, Tq, G, R, Dk)
+    dk: Any  # (B, Tk, G, Dk)
+    dv: Any  # (B, Tk, G, Dv)
+
+
+def grads(block: Block, dout: Any, lse: Any, delta: Any, *, causal: bool, scale: float) -> Grads:
+    """The gradients of one block, float32, from the row statistics of the whole forward
+    pass: `dout` `(B, G, R, Tq, Dv)` the output's cotangent, `lse` its log-sum-exp and
+    `delta` `(B, G, R, Tq)` the row sums of `dout * out` (FlashAttention's backward)."""
+    s = scores(block.q, block.k, scale)
+    p = jnp.exp(s - lse[..., None])
+    valid = block.valid(causal)
+    if valid is not None:
+        p = jnp.where(valid, p, 0.0)
+    dv = jnp.einsum("bgrqk,bgrqd->bkgd", p, dout, preferred_element_type=F32)
+    dp = jnp.einsum("bgrqd,bkgd->bgrqk", dout, block.v, preferred_element_type=F32)
+    ds = p * (dp - delta[..., None]) * scale
+    dq = jnp.einsum("bgrqk,bkgd->bqgrd", ds, block.k, preferred_element_type=F32)
+    dk = jnp.einsum("bgrqk,bqgrd->bkgd", ds, block.q, preferred_element_type=F32)
+    return Grads(dq, dk, dv)

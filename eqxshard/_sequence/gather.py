@@ -1,0 +1,25 @@
+"""The `"all_gather"` strategy: every device gathers all keys and values over the context
+axis and attends its own queries to them. The simplest and, for short sequences, the
+fastest; each device holds the whole sequence's keys and values and a `T/C x S` block of
+scores. Gradients are JAX's (the gather's transpose is a reduce-scatter)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .blocks import Block, attend
+
+
+def gather_attention(
+    axis: str, causal: bool, scale: float, q: Any, k: Any, v: Any, mask: Any, seg: Any
+) -> Any:
+    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks."""
+    everything = jax.lax.all_gather((k, v, seg), axis, axis=1, tiled=True)
+    k, v, kseg = everything
+    tq = q.shape[1]
+    qpos = jax.lax.axis_index(axis) * tq + jnp.arange(tq)
+    block = Block(q, qpos, seg, k, v, jnp.arange(k.shape[1]), kseg, mask)
+    return attend(block, causal=causal, scale=scale)
