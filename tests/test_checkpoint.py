@@ -418,7 +418,7 @@ def test_zero_size_leaves_are_rejected_before_anything_is_written(tmp_path: Path
     tree = {"a": jnp.zeros((0, 3)), "b": jnp.ones(2), "c": {"d": jnp.zeros((2, 0))}}
     with pytest.raises(ValueError, match=r"zero-size(.|\n)*\['a'\] +shape \(0, 3\)") as info:
         filter_save(tmp_path / "c", 0, tree)
-    assert "['c']['d']  shape (2, 0)" in str(info.value)
+    assert "c.d  shape (2, 0)" in str(info.value)
     assert not (tmp_path / "c").exists()
 
 

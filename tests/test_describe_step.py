@@ -54,7 +54,7 @@ def test_a_split_step_is_split_and_lists_its_layouts() -> None:
     assert report.work_fraction == pytest.approx(1 / 8, rel=0.1)
     assert not report.runs_replicated and report.problems() == []
     paths = [leaf.path for leaf in report.inputs]
-    assert paths[0] == "args[0].layers[0].weight" and paths[-2:] == ["args[1]", "args[2]"]
+    assert paths[0] == "args.0.layers.0.weight" and paths[-2:] == ["args.1", "args.2"]
     assert report.inputs[-1].asked == NamedSharding(mesh, P("data"))
     assert report.inputs[-1].compiled is not None
     assert report.inputs[-1].compiled.is_equivalent_to(NamedSharding(mesh, P("data")), 1)

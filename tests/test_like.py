@@ -100,7 +100,7 @@ def test_inside_jit_auto_needs_the_plan(kind: str) -> None:
     with pytest.raises(ValueError, match="`like` cannot read the layout") as info:
         init_without_plan(params)
     assert "traced and laid out over Auto mesh axes" in str(info.value)
-    assert ".layers[0].weight" in str(info.value) and "plan=filter_plan" in str(info.value)
+    assert "layers.0.weight" in str(info.value) and "plan=filter_plan" in str(info.value)
 
 
 def test_jit_of_init_alone_does_not_follow_on_auto_meshes() -> None:

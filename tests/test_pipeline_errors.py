@@ -81,8 +81,8 @@ def test_leaves_disagree_on_the_layer_dim(mesh):
     blocks["s"] = jnp.ones(())
     with pytest.raises(ValueError, match=r"most have 8, but these do not:") as info:
         _run(mesh, blocks=blocks)
-    assert "['b']  shape (6, 4)" in str(info.value) and "['s']  shape ()" in str(info.value)
-    assert "['w']" not in str(info.value) and "['v']" not in str(info.value)
+    assert "\n  b  shape (6, 4)" in str(info.value) and "\n  s  shape ()" in str(info.value)
+    assert "\n  w" not in str(info.value) and "\n  v" not in str(info.value)
 
 
 def test_layers_not_divisible_by_stages_times_repeats(mesh):

@@ -455,7 +455,7 @@ def test_error_in_specs_bad_leaves_listed_together():
 
 def test_error_spec_type():
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=("i",), out_specs=P("i"))
-    with pytest.raises(TypeError, match=r"(?s)not PartitionSpecs.*\[0\].*'i' of type str"):
+    with pytest.raises(TypeError, match=r"(?s)not PartitionSpecs.*\n  0.*'i' of type str"):
         f(jnp.ones(8))
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=P("i"), out_specs=lambda p, x: 3)
     with pytest.raises(TypeError, match=r"`out_specs` entries that are not PartitionSpecs"):
@@ -467,7 +467,7 @@ def test_error_named_sharding_on_another_mesh():
     f = filter_shard_map(
         lambda x: x, mesh=mesh1(), in_specs=NamedSharding(other, P("i")), out_specs=P("i")
     )
-    with pytest.raises(ValueError, match=r"(?s)NamedShardings on another mesh.*\[0\]"):
+    with pytest.raises(ValueError, match=r"(?s)NamedShardings on another mesh.*\n  0"):
         f(jnp.ones(8))
 
 
@@ -481,7 +481,7 @@ def test_error_axis_names():
     f = filter_shard_map(
         lambda x: x, mesh=mesh, in_specs=P("model"), out_specs=P("data"), axis_names={"data"}
     )
-    with pytest.raises(ValueError, match=r"(?s)outside `axis_names` \['data'\].*\[0\]"):
+    with pytest.raises(ValueError, match=r"(?s)outside `axis_names` \['data'\].*\n  0"):
         f(jnp.ones(8))
 
 
@@ -506,11 +506,11 @@ def test_error_out_specs():
     x = jnp.ones(8)
     f = filter_shard_map(lambda x: (x, x), mesh=mesh, in_specs=P("i"), out_specs=(P("i"), None))
     with pytest.raises(
-        ValueError, match=r"(?s)`None` in `out_specs` for these array outputs.*\[1\]"
+        ValueError, match=r"(?s)`None` in `out_specs` for these array outputs.*\n  1"
     ):
         f(x)
     f = filter_shard_map(lambda x: (x, "s"), mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P()))
-    with pytest.raises(ValueError, match=r"(?s)`out_specs` for leaves that are not arrays.*\[1\]"):
+    with pytest.raises(ValueError, match=r"(?s)`out_specs` for leaves that are not arrays.*\n  1"):
         f(x)
     f = filter_shard_map(lambda x: (x, x), mesh=mesh, in_specs=P("i"), out_specs=(P("i"),))
     with pytest.raises(ValueError, match=r"`out_specs` whose structure is not a prefix"):

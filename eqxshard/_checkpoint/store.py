@@ -13,8 +13,7 @@ import jax
 import numpy as np
 
 from .._pipeline.stacked import Stacked
-from .._plans.rules import dotted_path
-from .._tree import Flat, leaf_error, pathstr
+from .._tree import Flat, dotted_path, leaf_error, pathstr
 from .async_save import (
     AsyncSave as AsyncSave,
 )

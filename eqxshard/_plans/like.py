@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 from .. import _compat
 from .._placement.targets import RuleError
 from .._tree import Path, is_array_like, leaf_error, pathstr, shape_str
-from .rules import Rule, dotted_path
+from .rules import Rule
 
 
 def _read_spec(x: Any) -> PartitionSpec | None:
@@ -102,7 +102,7 @@ class Like(Rule):
         raise RuleError(
             f"cannot lay out these leaves like a parameter (and they have {self.min_size} "
             "elements or more, too many to replicate silently):",
-            (repr(dotted_path(path)), f"shape {shape_str(shape)}", detail),
+            (f"shape {shape_str(shape)}", detail),
             "Give them a spec with a rule before `like` (`path_rules([...]) | like(params)`), "
             "or raise `min_size` above their size to replicate them.",
         )
