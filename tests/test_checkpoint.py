@@ -297,7 +297,7 @@ def test_save_inside_jit_is_an_error(tmp_path: Path) -> None:
         filter_save(tmp_path, 0, {"x": x})
         return x
 
-    with pytest.raises(TypeError, match=r"cannot save traced leaves(.|\n)*\['x'\]"):
+    with pytest.raises(TypeError, match=r"cannot save traced leaves(.|\n)*\n  x"):
         f(jnp.zeros(2))
 
 
@@ -416,7 +416,7 @@ def test_failed_saves_end_promptly_and_leave_nothing(tmp_path: Path) -> None:
 
 def test_zero_size_leaves_are_rejected_before_anything_is_written(tmp_path: Path) -> None:
     tree = {"a": jnp.zeros((0, 3)), "b": jnp.ones(2), "c": {"d": jnp.zeros((2, 0))}}
-    with pytest.raises(ValueError, match=r"zero-size(.|\n)*\['a'\] +shape \(0, 3\)") as info:
+    with pytest.raises(ValueError, match=r"zero-size(.|\n)*\n  a +shape \(0, 3\)") as info:
         filter_save(tmp_path / "c", 0, tree)
     assert "c.d  shape (2, 0)" in str(info.value)
     assert not (tmp_path / "c").exists()

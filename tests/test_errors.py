@@ -414,7 +414,7 @@ def _net() -> _Net:
 
 
 def test_leaf_error_is_a_table_of_every_bad_leaf() -> None:
-    """Header, one aligned row per bad leaf (paths dotted, as `path_rules` match them), then the fix."""
+    """Header, one aligned row per bad leaf (dotted paths, as `path_rules` match), then the fix."""
     with pytest.raises(ValueError) as info:
         eqxshard.filter_shard(_net(), make_mesh("explicit"), P(None, "data"))
     lines = str(info.value).splitlines()

@@ -449,7 +449,7 @@ def test_bad_arguments():
         _filter_jit(lambda x: x, donate=(True, False, True))(jnp.ones(2))
     with pytest.raises(TypeError, match=r"`in_shardings`(.|\n)*\n  1  str 'data'"):
         _filter_jit(lambda x, y: x, in_shardings=(None, "data"))
-    with pytest.raises(TypeError, match=r"`out_shardings`(.|\n)*\['a'\]  int 3"):
+    with pytest.raises(TypeError, match=r"`out_shardings`(.|\n)*\n  a  int 3"):
         _filter_jit(lambda x: x, out_shardings={"a": 3})
     with pytest.raises(ValueError, match="`in_shardings` whose structure is not a prefix"):
         _filter_jit(lambda x: x, in_shardings=(P(), P()), mesh=mesh)(jnp.ones(8))
@@ -465,7 +465,7 @@ def test_bad_arguments():
         _filter_jit(lambda x: x, mesh="data")
     with pytest.raises(TypeError, match="`move_inputs` as a bool"):
         _filter_jit(lambda x: x, move_inputs="no")  # pyright: ignore[reportArgumentType, reportCallIssue]
-    with pytest.raises(ValueError, match=r"`\*\*kwargs`(.|\n)*kwargs\['y'\]"):
+    with pytest.raises(ValueError, match=r"`\*\*kwargs`(.|\n)*kwargs\.y"):
         _filter_jit(lambda x, **kw: x, in_shardings=(P(),), mesh=mesh)(jnp.ones(8), y=jnp.ones(8))
     with pytest.raises(TypeError, match=r"hashable(.|\n)*args\.1  Unhashable"):
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from .._pipeline.stacked import Stacked
-from .._tree import Flat, dotted_path, leaf_error, pathstr
+from .._tree import Flat, dotted_path, leaf_error
 from .async_save import (
     AsyncSave as AsyncSave,
 )
@@ -139,7 +139,7 @@ def _names(verb: str, flat: Flat, tree: Any = None) -> dict[str, int]:
     for i in flat.array_indices:
         names.setdefault(_name(flat.paths[i], orders), []).append(i)
     clashes = [
-        (name, ", ".join(pathstr(flat.paths[i]) for i in indices))
+        (name, ", ".join(jax.tree_util.keystr(flat.paths[i]) for i in indices))
         for name, indices in names.items()
         if len(indices) > 1
     ]
