@@ -27,7 +27,11 @@ LAYERS = {
     "_checkpoint": 5,
     "_processes": 6,
     "launch": 7,
-    "__init__": 7,
+    "report": 7,
+    "links": 7,
+    "rules": 7,
+    "_deprecated": 7,
+    "__init__": 8,
 }
 MAX_LINES = 320  # "about 300": a file past this is two concepts
 

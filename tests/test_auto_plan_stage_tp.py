@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import eqxshard
 
-SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
-MEDIUM = eqxshard.Link(bandwidth=1e9, latency=1e-5)
+SLOW = eqxshard.links.Link(bandwidth=1e8, latency=1e-3)
+MEDIUM = eqxshard.links.Link(bandwidth=1e9, latency=1e-5)
 
 
 def _make(key):

@@ -17,7 +17,7 @@ import eqxshard
 from eqxshard._plans.auto import remat as remat_
 from eqxshard._plans.auto.candidates import Layout
 
-SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
+SLOW = eqxshard.links.Link(bandwidth=1e8, latency=1e-3)
 
 
 def _make(layers):
@@ -69,7 +69,7 @@ def test_remat_makes_a_model_fit_that_no_layout_fits_without(tight):
 
 def test_remat_variants_are_pruned_by_arithmetic():
     layout = Layout("DP", {"data": 2}, None)
-    slow = eqxshard.Candidate(
+    slow = eqxshard.report.Candidate(
         rank=0,
         name="DP",
         mesh_shape={"data": 2},
@@ -86,7 +86,7 @@ def test_remat_variants_are_pruned_by_arithmetic():
         reason="",
     )
     fitting = Layout("FSDP", {"fsdp": 2}, None)
-    fits = eqxshard.Candidate(**{**slow.__dict__, "name": "FSDP", "fits": True})
+    fits = eqxshard.report.Candidate(**{**slow.__dict__, "name": "FSDP", "fits": True})
     todo, pruned = remat_.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 1.0)
     assert todo == [] and [v.name for v, _ in pruned] == ["DP + remat dots"]
     row = remat_.dominated(pruned[0][0], slow, 1.0)

@@ -13,8 +13,9 @@ from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard import StepLeaf, describe_step
+from eqxshard import describe_step
 from eqxshard._step.pinned import pinned_ops
+from eqxshard.report import StepLeaf
 
 OPTIMIZER = optax.sgd(0.1)
 
@@ -62,7 +63,7 @@ def test_a_split_step_is_split_and_lists_its_layouts() -> None:
     assert report.outputs[-1].asked is None and report.outputs[-1].shape == ()
     assert report.memory["argument"] > 0
     text = str(report)
-    assert "args[1]" in text and "P('data',)" in text and "an even split: 12.5%" in text
+    assert "args.1" in text and "P('data',)" in text and "an even split: 12.5%" in text
 
 
 def test_error_if_on_the_inputs_makes_xla_run_the_loss_replicated() -> None:

@@ -470,7 +470,7 @@ def test_memory_kind_inside_jit_where_jax_cannot(device_puts: list[Any]) -> None
 _NO_TARGET_CALLS = {
     "filter_shard": lambda tree: eqxshard.filter_shard(tree),
     "filter_replicate": lambda tree: eqxshard.filter_replicate(tree),
-    "filter_plan": lambda tree: eqxshard.filter_plan(tree),
+    "filter_shardings": lambda tree: eqxshard.filter_shardings(tree),
     "filter_init": lambda tree: eqxshard.filter_init(lambda: tree)(),
     "jit: filter_shard": lambda tree: jax.jit(eqxshard.filter_shard)(tree),
     "jit: filter_replicate": lambda tree: jax.jit(eqxshard.filter_replicate)(tree),
@@ -506,7 +506,7 @@ def test_non_jax_dtypes_are_named_before_jax_runs(value: Any, word: str) -> None
         lambda: eqxshard.filter_shard(tree, mesh),
         lambda: eqxshard.filter_replicate(tree, mesh),
         lambda: eqxshard.filter_put(tree, jax.devices()[0]),
-        lambda: eqxshard.filter_plan(tree, mesh),
+        lambda: eqxshard.filter_shardings(tree, mesh),
     ):
         with pytest.raises(TypeError, match="dtype JAX has no arrays of") as info:
             call()

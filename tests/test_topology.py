@@ -16,7 +16,7 @@ from eqxshard._plans.auto import topology
 from eqxshard._plans.auto.candidates import factorisations, mesh_shape
 from eqxshard._plans.auto.meshes import mesh_for
 
-LINKS = eqxshard.LINKS
+LINKS = eqxshard.links.LINKS
 OPTIMIZER = optax.adamw(1e-2)
 BATCH = (jax.ShapeDtypeStruct((16, 128), jnp.float32),) * 2
 

@@ -1,6 +1,6 @@
 """Sharding rules: say how a whole model is laid out, not leaf by leaf.
 
-A rule is accepted anywhere a `spec` is (`filter_shard(model, mesh, rule)`, `filter_plan`,
+A rule is accepted anywhere a `spec` is (`filter_shard(model, mesh, rule)`, `filter_shardings`,
 `describe`, `filter_init`). `_placement.resolve` calls its `spec_for(path, leaf, mesh)` on
 each array leaf, with that leaf's mesh. Rules here:
 
@@ -40,8 +40,8 @@ class Rule:
     """A sharding rule: gives each array leaf a `PartitionSpec` from its path, shape and mesh.
 
     Build rules with `path_rules`, `fsdp`, `logical`, `like` and `first` (or `a | b`); pass
-    one (alone or in a prefix PyTree) as the `spec` of `filter_shard`, `filter_plan`, `describe`,
-    `filter_init` or `filter_restore`.
+    one (alone or in a prefix PyTree) as the `spec` of `filter_shard`, `filter_shardings`,
+    `describe`, `filter_init` or `filter_restore`.
 
     To write your own, subclass `Rule` and define `match(path, leaf, mesh)` returning a
     `PartitionSpec`, `None` (leave the leaf alone) or `NO_MATCH` (let the next rule of a

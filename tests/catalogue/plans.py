@@ -1,5 +1,5 @@
 """Bad inputs to the plan verbs and sharding rules: `path_rules`, `fsdp`, `logical`, `like`,
-`first`, `filter_plan`, `describe`, `filter_init`."""
+`first`, `filter_shardings`, `describe`, `filter_init`."""
 
 # Every case passes a bad argument on purpose, to check the error it raises: what a type
 # checker says about those arguments is the point of this file, not a mistake in it.
@@ -34,7 +34,7 @@ def _make() -> dict[str, Any]:
 
 
 def _plan(spec: Any, target: Any = _mesh) -> Any:
-    return lambda: eqxshard.filter_plan(_abstract, target, spec)
+    return lambda: eqxshard.filter_shardings(_abstract, target, spec)
 
 
 CASES: list[Case] = [
@@ -75,7 +75,7 @@ CASES: list[Case] = [
         "path_rules/no-match",
         _plan(eqxshard.path_rules([("w", P())])),
         ValueError,
-        r"`filter_plan` has no rule that matches these leaves:\n  b  shape \(4,\)",
+        r"`filter_shardings` has no rule that matches these leaves:\n  b  shape \(4,\)",
     ),
     Case(
         "path_rules/indivisible",
@@ -105,7 +105,7 @@ CASES: list[Case] = [
     ),
     Case(
         "fsdp/no-divisible-dim",
-        lambda: eqxshard.filter_plan(
+        lambda: eqxshard.filter_shardings(
             {"odd": jax.ShapeDtypeStruct((3, 5), jnp.float32)},
             _mesh,
             eqxshard.fsdp("model", min_size=0),
@@ -195,33 +195,33 @@ CASES: list[Case] = [
         "first/no-match",
         _plan(eqxshard.first(eqxshard.path_rules([("w", P())]), {"w": P()})),
         ValueError,
-        r"`filter_plan` has no rule that matches these leaves:\n  b",
+        r"`filter_shardings` has no rule that matches these leaves:\n  b",
     ),
-    # ---- filter_plan
-    Case("filter_plan/spec-int", _plan(3), TypeError, r"`target`/`spec`.*\n  b  spec 3"),
-    Case("filter_plan/target-str", _plan(None, "cpu"), TypeError, r"\n  b  target 'cpu'"),
+    # ---- filter_shardings
+    Case("filter_shardings/spec-int", _plan(3), TypeError, r"`target`/`spec`.*\n  b  spec 3"),
+    Case("filter_shardings/target-str", _plan(None, "cpu"), TypeError, r"\n  b  target 'cpu'"),
     Case(
-        "filter_plan/indivisible",
+        "filter_shardings/indivisible",
         _plan(P(None, "data"), _mesh),
         ValueError,
         r"\n  b  shape \(4,\)",
     ),
-    Case("filter_plan/no-mesh", _plan(P("data"), None), ValueError, r"no mesh is set.*\n  b"),
+    Case("filter_shardings/no-mesh", _plan(P("data"), None), ValueError, r"no mesh is set.*\n  b"),
     Case(
-        "filter_plan/no-target-no-mesh",
+        "filter_shardings/no-target-no-mesh",
         _plan(None, None),
         ValueError,
         r"no `target` and no mesh is set",
     ),
     Case(
-        "filter_plan/target-tree-not-prefix",
+        "filter_shardings/target-tree-not-prefix",
         _plan(None, {"w": _mesh}),
         ValueError,
         r"`target` whose structure is not a prefix of `tree`",
     ),
     Case(
-        "filter_plan/str-array",
-        lambda: eqxshard.filter_plan({"bad": np.array(["x"])}, _mesh),
+        "filter_shardings/str-array",
+        lambda: eqxshard.filter_shardings({"bad": np.array(["x"])}, _mesh),
         TypeError,
         r"dtype JAX has no arrays of:\n  bad",
     ),

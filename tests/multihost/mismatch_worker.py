@@ -159,7 +159,7 @@ def plans_of_different_shapes(process: int) -> None:
     tree = {"w": jax.ShapeDtypeStruct((rows, 2), jnp.float32)}
     # Reading a plan issues no collective: each process plans its own tree (and process 0
     # alone may log one); the verbs that act on a plan compare it across processes.
-    plan = eqxshard.filter_plan(tree, mesh8(), P("data"))
+    plan = eqxshard.filter_shardings(tree, mesh8(), P("data"))
     check(plan["w"].spec == P("data"), repr(plan))
     if process == 0:
         eqxshard.describe(tree, mesh8(), P("data"))

@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from ..._compat import spec_str
 from ..._placement.shard import filter_shard
 from ..._tree import format_bytes
+from ..pipeline_choice import Pipeline, from_plan_argument
 from ..plan import filter_init
 from . import choices, use, view
 from .candidate import Candidate as Candidate
@@ -30,7 +31,7 @@ class Plan:
         process's devices (`jax.make_mesh`'s order, Auto axes), or abstract when they are
         too few.
     - `rules`: the rule for the model and the optimiser state, usable as `spec`
-        anywhere (`filter_shard`, `filter_plan`, `filter_init`, `describe`). Its `repr`
+        anywhere (`filter_shard`, `filter_shardings`, `filter_init`, `describe`). Its `repr`
         is Python to paste into a script and edit.
     - `batch_spec`: the `PartitionSpec` of every batch leaf (its leading dim split over
         the data axes).
@@ -42,9 +43,11 @@ class Plan:
         layer.
     - `offload`: the parts held in pinned host memory between steps and moved in for
         the update: `("optimizer state",)` or `()`.
-    - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
-        "repeats": ...}`, with `"in_step": True` for a step that calls `filter_pipeline`
-        itself (`jit` then runs it with the mesh set; there is no `Stacked` to configure).
+    - `pipeline`: `None`, or the pipeline chosen, an `eqxshard.Pipeline(axis,
+        microbatches, repeats, in_step)`, with `in_step=True` for a step that calls
+        `filter_pipeline` itself (`jit` then runs it with the mesh set; there is no
+        `Stacked` to configure). A dict with those keys (what older `repr(plan)`s wrote) is
+        still read, with a `DeprecationWarning`.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
@@ -60,7 +63,7 @@ class Plan:
     budget: int
     remat: dict[str, str] | str
     offload: tuple[str, ...]
-    pipeline: dict[str, Any] | None
+    pipeline: Pipeline | None
 
     def __init__(
         self,
@@ -71,7 +74,7 @@ class Plan:
         budget: int = 0,
         remat: dict[str, str] | str | None = None,
         offload: tuple[str, ...] = (),
-        pipeline: dict[str, Any] | None = None,
+        pipeline: Pipeline | dict[str, Any] | None = None,
     ):
         if isinstance(mesh, dict):
             mesh = mesh_for(mesh)
@@ -80,7 +83,9 @@ class Plan:
                 "`Plan` takes `mesh` as a `Mesh`, an `AbstractMesh` or a dict of axis sizes "
                 f"(`{{'data': 8}}`), but got {type(mesh).__name__}."
             )
-        remat, offload = choices.check({} if remat is None else remat, offload, pipeline)
+        pipeline = from_plan_argument(pipeline)
+        options = None if pipeline is None else pipeline.options()
+        remat, offload = choices.check({} if remat is None else remat, offload, options)
         values = dict(
             mesh=mesh,
             rules=rules,
@@ -144,7 +149,12 @@ class Plan:
         return place(model, self.rules), opt_state, place(batch, self.batch_spec)
 
     def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
-        return use.configured(verb, model, mesh, self.remat, self.pipeline)
+        return use.configured(verb, model, mesh, self.remat, self._pipeline_options)
+
+    @property
+    def _pipeline_options(self) -> dict[str, Any] | None:
+        """`pipeline` in the dict form `Stacked` and the planner read."""
+        return None if self.pipeline is None else self.pipeline.options()
 
     @property
     def _offloads_state(self) -> bool:
@@ -225,7 +235,8 @@ class Plan:
             raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
         mesh = self._concrete_mesh("jit")
         offload = self._offloads_state
-        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, self.pipeline)
+        options = self._pipeline_options
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, options)
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
@@ -250,7 +261,7 @@ class Plan:
             paths found are listed); `Stacked`'s and `filter_shard`'s errors.
         """
         mesh = self._concrete_mesh("apply")
-        return use.apply(model, mesh, self.rules, self.remat, self.pipeline)
+        return use.apply(model, mesh, self.rules, self.remat, self._pipeline_options)
 
     def summary(self) -> str:
         c = self.chosen

@@ -12,6 +12,7 @@ from jax.sharding import AbstractMesh
 
 from ..._pipeline.configure import stacks
 from ..._tree import is_array_like
+from ..pipeline_choice import of_options
 from . import (
     arguments as args_,
     batch_proxies,
@@ -97,8 +98,8 @@ def auto_plan(
         takes and which the plan lays out like the model; `None` for a step without one.
     - `rules`: more candidate rules (any `spec` form), each tried on every mesh shape.
     - `links`: the link of each mesh axis, for the time estimate: a preset name from
-        `eqxshard.LINKS` (`"nvlink4"`, `"infiniband_ndr"`, `"intra_node"`, ...), an
-        `eqxshard.Link(bandwidth, latency)`, or a dict `{axis: preset or Link}` (e.g.
+        `eqxshard.links.LINKS` (`"nvlink4"`, `"infiniband_ndr"`, `"intra_node"`, ...), an
+        `eqxshard.links.Link(bandwidth, latency)`, or a dict `{axis: preset or Link}` (e.g.
         `{"data": "inter_node"}`), where the axis `"host"` is the link to pinned host
         memory (default `"host"`, PCIe 5). Axes not given get `"inter_node"` when they
         cross nodes (see `devices_per_node`) and `"intra_node"` otherwise.
@@ -302,5 +303,5 @@ def auto_plan(
         budget=budget_bytes,
         offload=table[0].offload,
         remat=table[0].remat,
-        pipeline=table[0].pipeline,
+        pipeline=of_options(table[0].pipeline),
     )

@@ -16,14 +16,16 @@ from ..._pipeline.stage_major import with_mesh_set
 from ..._placement.put import filter_put
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
-from ..plan import filter_plan
+from ..plan import filter_shardings
 from .choices import IN_STEP
 from .measure import HOST
 
 
 def host_layout(opt_state: Any, mesh: Any, rules: Any) -> Any:
     """The shardings of `opt_state` laid out by `rules`, in pinned host memory."""
-    return jax.tree.map(lambda s: s.with_memory_kind(HOST), filter_plan(opt_state, mesh, rules))
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(HOST), filter_shardings(opt_state, mesh, rules)
+    )
 
 
 def place_state(opt_state: Any, mesh: Any, rules: Any, offload: bool) -> Any:
