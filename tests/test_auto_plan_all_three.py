@@ -80,7 +80,7 @@ def test_the_chart_stacks_each_part_and_what_is_in_host_memory(tmp_path):
 def test_stages_remat_and_offload_chosen_together_run_as_planned():
     script = _script()
     plan = script.plan()
-    assert plan.pipeline == {"axis": "stage", "microbatches": 2, "repeats": 1}
+    assert plan.pipeline == eqxshard.Pipeline(axis="stage", microbatches=2, repeats=1)
     assert plan.remat == {"blocks": "full"} and plan.offload == ("optimizer state",)
     chosen = plan.chosen
     assert chosen.name == "PP + remat full + offload" and chosen.fits

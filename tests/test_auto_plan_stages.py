@@ -114,7 +114,7 @@ def test_stages_win_when_the_other_axes_are_slow():
     plan = eqxshard.auto_plan(
         sd.step, model, sd.shapes(batch=16, tokens=32), links=links, **options
     )
-    assert plan.pipeline is not None and plan.pipeline["axis"] == "stage"
+    assert plan.pipeline is not None and plan.pipeline.axis == "stage"
     assert plan.mesh.shape["stage"] == 2 and plan.remat == {}
     chosen = plan.chosen
     assert "2 stages x" in chosen.reason and "bubble" in chosen.reason

@@ -125,8 +125,9 @@ def test_plan_fields_are_checked():
         eqxshard.Plan(**base, offload="optimizer state")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`offload` parts \['model'\]; the parts that can"):
         eqxshard.Plan(**base, offload=("model",))
-    with pytest.raises(ValueError, match=r"`pipeline` as None or a dict with the keys axis"):
-        eqxshard.Plan(**base, pipeline={"stages": 4})
+    with pytest.warns(DeprecationWarning, match=r"give the pipeline as `Pipeline"):
+        with pytest.raises(ValueError, match=r"`pipeline` as None or an `eqxshard.Pipeline"):
+            eqxshard.Plan(**base, pipeline={"stages": 4})
 
 
 def test_jit_and_apply_errors(plan):

@@ -134,19 +134,35 @@ class Plan:
         )
 
     def shard(self, model: Any, opt_state: Any = None, batch: Any = None) -> tuple[Any, Any, Any]:
-        """`(model, opt_state, batch)` placed by the plan with `filter_shard` (`None`s are
-        returned as they are), the model's `Stacked` layers configured as `apply` does,
-        the optimiser state in pinned host memory when the plan offloads it. Raises
-        `ValueError` for a plan over an `AbstractMesh`, or whose `remat`/`pipeline` do
-        not match the model's stacks."""
+        """The three inputs of a training step laid out by the plan, for a model, state
+        and batch made elsewhere: `(model, opt_state, batch)`, where
+
+        - `model` is what `plan.apply(model)` gives: its `Stacked` layers configured
+            (`remat`, `pipeline`), then laid out by `plan.rules`;
+        - `opt_state` is laid out by `plan.rules` (its `Stacked` parts configured like
+            the model's), in pinned host memory when the plan offloads it;
+        - `batch` is laid out by `plan.batch_spec`.
+
+        Each argument may be `None`, returned as it is. To lay out only a model, use
+        `apply`; to create the model and state already laid out, use `init`.
+
+        **Raises:**
+
+        - `ValueError`: for a plan over an `AbstractMesh`, or whose `remat`/`pipeline` do
+            not match the model's stacks; `filter_shard`'s errors.
+        """
         mesh = self._concrete_mesh("shard")
-        place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
         if model is not None:
-            model = self._configured("Plan.shard", model, mesh)
+            model = self._laid_out("Plan.shard", model, mesh)
             opt_state = use.configure_like(opt_state, model)
         if opt_state is not None:
             opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
-        return place(model, self.rules), opt_state, place(batch, self.batch_spec)
+        batch = None if batch is None else filter_shard(batch, mesh, self.batch_spec)
+        return model, opt_state, batch
+
+    def _laid_out(self, verb: str, model: Any, mesh: Mesh) -> Any:
+        """`apply`: `model` configured, then laid out by the rules."""
+        return filter_shard(self._configured(verb, model, mesh), mesh, self.rules)
 
     def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
         return use.configured(verb, model, mesh, self.remat, self._pipeline_options)
@@ -243,8 +259,8 @@ class Plan:
         plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
         layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
         `repeats=1`, circular above), then its array leaves placed by `plan.rules` over
-        `plan.mesh`. A plan without such choices only places the model (as
-        `plan.shard(model)` does).
+        `plan.mesh`. A plan without such choices only places the model. `shard` lays out
+        the optimiser state and the batch too (its model is this one).
 
         **Arguments:**
 
@@ -260,8 +276,7 @@ class Plan:
             `Stacked` layers of `model`, or a `pipeline` for a model without any (the
             paths found are listed); `Stacked`'s and `filter_shard`'s errors.
         """
-        mesh = self._concrete_mesh("apply")
-        return use.apply(model, mesh, self.rules, self.remat, self._pipeline_options)
+        return self._laid_out("Plan.apply", model, self._concrete_mesh("apply"))
 
     def summary(self) -> str:
         c = self.chosen

@@ -145,8 +145,3 @@ def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str] | str, pi
     if not remat and pipeline is None:
         return model
     return configure(verb, model, remat=remat, pipeline=pipeline, mesh=mesh)
-
-
-def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str] | str, pipeline: Any) -> Any:
-    """`Plan.apply`, given the plan's concrete mesh, rules and choices."""
-    return filter_shard(configured("Plan.apply", model, mesh, remat, pipeline), mesh, rules)
