@@ -216,7 +216,7 @@ def test_unconstrained_on_a_mesh_without_auto_axes_names_the_leaf() -> None:
     mesh = make_mesh("explicit")
     rule = path_rules([("weight", P("data", P.UNCONSTRAINED)), (".*", P())])
     make = lambda key: eqx.nn.Linear(16, 8, key=key)
-    match = r"(?s)`filter_init` got `P.UNCONSTRAINED`.*\.weight .*data: Explicit.*Use `None`"
+    match = r"(?s)`filter_init` got `P.UNCONSTRAINED`.*\n  weight .*data: Explicit.*Use `None`"
     with pytest.raises(ValueError, match=match):
         filter_init(make, mesh, rule)(jax.random.key(0))
     with pytest.raises(ValueError, match=match.replace("filter_init", "filter_shard")):

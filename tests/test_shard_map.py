@@ -412,7 +412,7 @@ def test_error_fun_and_kwargs():
     with pytest.raises(TypeError, match="needs a callable `fun`"):
         filter_shard_map(3, mesh=mesh1(), in_specs=P(), out_specs=P())  # pyright: ignore[reportArgumentType]
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=P(), out_specs=P())
-    with pytest.raises(TypeError, match=r"positional arguments only.*\n  x"):
+    with pytest.raises(TypeError, match=r"positional arguments only.*\['x'\]"):
         f(x=jnp.ones(8))
 
 
