@@ -346,7 +346,7 @@ def test_first_no_rule_matches_and_empty() -> None:
 
 
 def test_spec_tree_with_a_non_spec_leaf() -> None:
-    words = r"must have one of these at every leaf.*\n  .b.: str\nPut a PartitionSpec, a rule"
+    words = r"must have one of these at every leaf.*\n  b: str\nPut a PartitionSpec, a rule"
     with pytest.raises(TypeError, match=words):
         first({"a": P(), "b": "data"})
 
