@@ -99,7 +99,7 @@ def run_pipeline(
 SCHEDULES = ("gpipe", "circular")
 
 
-def _repeats(schedule: Any, repeats: Any) -> Any:
+def _repeats(schedule: object, repeats: Any) -> int:
     """The chunks per stage that `schedule` and `repeats` ask for; a `repeats` that is not
     a positive int is returned as it is, for `checks.check_counts` to name."""
     counted = isinstance(repeats, int) and not isinstance(repeats, bool)
@@ -243,8 +243,8 @@ def filter_pipeline(
         y = run(blocks, x)  # as jax.lax.scan over the n layers gives
         ```
     """
-    repeats = _repeats(schedule, repeats)
-    _note(axis, microbatches, repeats, blocks, mesh)
+    chunks = _repeats(schedule, repeats)
+    _note(axis, microbatches, chunks, blocks, mesh)
     return run_pipeline(
         _VERB,
         layer,
@@ -253,7 +253,7 @@ def filter_pipeline(
         mesh=mesh,
         axis=axis,
         microbatches=microbatches,
-        repeats=repeats,
+        repeats=chunks,
         remat=remat,
         stage_major=False,
     )
