@@ -138,6 +138,8 @@ def _names(verb: str, flat: Flat, tree: Any = None) -> dict[str, int]:
     names: dict[str, list[int]] = {}
     for i in flat.array_indices:
         names.setdefault(_name(flat.paths[i], orders), []).append(i)
+    # The leaves that share a dotted name are told apart in `keystr`'s form (`['a.b']`,
+    # `['a']['b']`): the one place eqxshard prints a path not dotted.
     clashes = [
         (name, ", ".join(jax.tree_util.keystr(flat.paths[i]) for i in indices))
         for name, indices in names.items()
