@@ -15,7 +15,7 @@ the third budget is 2% over the smallest footprint of all, and the output says s
 For each budget it prints the chosen layout, its compiled bytes per device and the bytes
 its collectives send, `auto_plan`'s own wall time, and the brute force beside it: every
 candidate compiled again here, independently (`jax.jit(..., out_shardings=...)` of the
-step over shardings from `filter_plan`), its bytes per device from `memory_analysis()`,
+step over shardings from `filter_shardings`), its bytes per device from `memory_analysis()`,
 fit or not, and the best fitting one by estimated step time. Targets: the chosen plan
 fits by the brute force's own compile; its estimated time is within 1.1x of the brute
 force's best; `auto_plan` takes at most 2 minutes. Then 3 training steps under the
@@ -105,7 +105,7 @@ def brute_force(candidate, model, opt_state, batch):
     batch_spec = P(data if len(data) > 1 else data[0]) if data else P()
 
     def laid_out(tree, spec):
-        plan = eqxshard.filter_plan(tree, mesh, spec)
+        plan = eqxshard.filter_shardings(tree, mesh, spec)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, plan
         )

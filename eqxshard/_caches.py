@@ -22,3 +22,28 @@ def clear_all() -> None:
     """Empties every registered cache."""
     for clear in list(_CLEARS):
         clear()
+
+
+def clear_caches() -> None:
+    """Empties every cache eqxshard keeps between calls.
+
+    eqxshard remembers work across calls: the placement plans of trees seen before, the
+    programs `filter_stream` and the Jacobian verbs compiled, the sizes `auto_plan`
+    measured. Call this to free that memory, or after changing something those caches
+    cannot see (e.g. environment variables or JAX flags a compiled program depends on).
+    The next call of each verb then works from scratch, as the first one did. JAX's own
+    caches (`jax.clear_caches`) are left alone.
+
+    **Returns:**
+
+    `None`.
+
+    !!! Example
+
+        ```python
+        mesh = jax.make_mesh((jax.device_count(),), ("data",))
+        eqxshard.filter_shard({"w": jnp.ones((8, 2))}, mesh, P("data"))
+        eqxshard.clear_caches()  # the next call plans the placement again
+        ```
+    """
+    clear_all()

@@ -22,9 +22,42 @@ def is_array_like(x: Any) -> bool:
     return eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)
 
 
-def pathstr(path: Path) -> str:
-    """A leaf path as users read it (`.layers[0].weight`); the whole tree is `<root>`."""
-    return jax.tree_util.keystr(path) or "<root>"
+def dotted_path(path: Path) -> str:
+    """A leaf's key path in the one form eqxshard writes and matches: `layers.0.weight`.
+
+    Attribute names (`GetAttrKey`), sequence indices (`SequenceKey`) and dict keys
+    (`DictKey`, written with `str`) joined by dots; the whole tree (a leaf at the root)
+    is the empty string. Errors, `describe`, `auto_plan`'s tables and checkpoints name
+    leaves in this form, and `path_rules` matches it, so a path copied from any of them
+    is a pattern that matches that leaf.
+
+    **Arguments:**
+
+    - `path`: a key path, as from `jax.tree_util.tree_flatten_with_path`.
+
+    **Returns:**
+
+    The path as a string, e.g. `dotted_path((GetAttrKey("layers"), SequenceKey(0),
+    GetAttrKey("weight"))) == "layers.0.weight"`.
+    """
+    parts = []
+    for key in path:
+        if isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return ".".join(parts)
+
+
+def pathstr(path: Path, root: str = "") -> str:
+    """A leaf path as errors and tables print it: `dotted_path`'s form after `root` (a
+    name for the tree, e.g. `"args"` gives `args.0.weight`); the whole tree is `root`, or
+    `<root>` without one."""
+    return ".".join(part for part in (root, dotted_path(path)) if part) or "<root>"
 
 
 _UNBUILT: Any = object()

@@ -247,7 +247,9 @@ def kept_layout_total(
     return compiled_total(memory)
 
 
-def candidate_row(name: str, total: int | None, fits: bool, **fields: Any) -> eqxshard.Candidate:
+def candidate_row(
+    name: str, total: int | None, fits: bool, **fields: Any
+) -> eqxshard.report.Candidate:
     """A row of an `auto_plan` table, for the search's parts: a data-parallel mesh of 2
     whose only bytes are `total` of activations; `fields` overrides any field."""
     row: dict[str, Any] = dict(
@@ -266,7 +268,7 @@ def candidate_row(name: str, total: int | None, fits: bool, **fields: Any) -> eq
         measured_on="compiled here",
         reason="",
     )
-    return eqxshard.Candidate(**{**row, **fields})
+    return eqxshard.report.Candidate(**{**row, **fields})
 
 
 def numpy_filled(make: Callable[[jax.Array], Any], key: jax.Array, scale: float = 0.1) -> Any:

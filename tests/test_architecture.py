@@ -29,7 +29,11 @@ LAYERS = {
     "_checkpoint": 5,
     "_processes": 6,
     "launch": 7,
-    "__init__": 7,
+    "report": 7,
+    "links": 7,
+    "rules": 7,
+    "_deprecated": 7,
+    "__init__": 8,
 }
 MAX_LINES = 500  # one concept per file; past this it is two
 

@@ -37,7 +37,7 @@ def _shard_bytes(tree) -> int:
     )
 
 
-def _row(name: str, **fields: Any) -> eqxshard.Candidate:
+def _row(name: str, **fields: Any) -> eqxshard.report.Candidate:
     values: dict[str, Any] = dict(
         rank=1,
         name=name,
@@ -54,7 +54,7 @@ def _row(name: str, **fields: Any) -> eqxshard.Candidate:
         measured_on="compiled here",
         reason="",
     )
-    return eqxshard.Candidate(**(values | fields))
+    return eqxshard.report.Candidate(**(values | fields))
 
 
 def test_the_chart_stacks_each_part_and_what_is_in_host_memory(tmp_path):
@@ -80,7 +80,7 @@ def test_the_chart_stacks_each_part_and_what_is_in_host_memory(tmp_path):
 def test_stages_remat_and_offload_chosen_together_run_as_planned():
     script = _script()
     plan = script.plan()
-    assert plan.pipeline == {"axis": "stage", "microbatches": 2, "repeats": 1}
+    assert plan.pipeline == eqxshard.Pipeline(axis="stage", microbatches=2, repeats=1)
     assert plan.remat == {"blocks": "full"} and plan.offload == ("optimizer state",)
     chosen = plan.chosen
     assert chosen.name == "PP + remat full + offload" and chosen.fits

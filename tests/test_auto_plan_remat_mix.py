@@ -57,7 +57,7 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     # An "offload" row: its compile (on CPU) counted the host-held outputs as device memory,
     # so their share per device comes off it (and is its `host_bytes`), and they go out and
     # back over PCIe.
-    pcie = eqxshard.Link(bandwidth=1e9, latency=1e-5)
+    pcie = eqxshard.links.Link(bandwidth=1e9, latency=1e-5)
     v = Layout("DP + remat offload", {"data": 2}, P(), remat=(("wide", "offload"),))
     compiled = candidate_row("DP + remat offload", 5 << 20, False)
     base = candidate_row("DP", 6 << 20, False)
@@ -75,7 +75,7 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     assert "1.5 MiB of activations per device in host memory (at least)" in row.reason
     # A compile that counted them apart (GPU, TPU: `host_temp_size_in_bytes`, already in
     # the row's `host_bytes`) is taken as it is: nothing comes off its device total twice.
-    apart = eqxshard.Candidate(**{**compiled.__dict__, "host_bytes": 3 << 20})
+    apart = eqxshard.report.Candidate(**{**compiled.__dict__, "host_bytes": 3 << 20})
     row = policies.described(
         apart, v, base, traced, budget=4 << 20, links={"host": pcie}, apart=3 << 20
     )
@@ -125,7 +125,7 @@ def test_a_plan_takes_a_policy_per_stack_or_one_for_all():
 
 def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
     plain = candidate_row("DP", 3 << 20, False)
-    remat = eqxshard.Candidate(
+    remat = eqxshard.report.Candidate(
         **{**candidate_row("DP + remat full", 2 << 20, False).__dict__, "remat": {"blocks": "full"}}
     )
     error = nothing_fits(ranked([plain, remat], 1 << 20), 1 << 20, 2, 16)
@@ -140,10 +140,10 @@ def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
 
 def test_a_chosen_remat_row_says_what_it_spares_once():
     reason = "remat full on `blocks`: fits with 512.0 KiB to spare; without it 1.0 MiB over"
-    chosen = eqxshard.Candidate(
+    chosen = eqxshard.report.Candidate(
         **{**candidate_row("DP + remat full", 512 << 10, True).__dict__, "reason": reason}
     )
-    over = eqxshard.Candidate(
+    over = eqxshard.report.Candidate(
         **{
             **candidate_row("FSDP + remat dots", 2 << 20, False).__dict__,
             "reason": "remat dots on `blocks`: still 1.0 MiB over; without it 2.0 MiB over",
@@ -158,7 +158,7 @@ def test_a_chosen_remat_row_says_what_it_spares_once():
     assert table[1].reason.endswith("remat dots on `blocks`: without it 2.0 MiB over")
 
 
-def _search(host: eqxshard.Link) -> eqxshard.Plan:
+def _search(host: eqxshard.links.Link) -> eqxshard.Plan:
     """`auto_plan` of the two stacks on 2 devices in 4 MiB, compute dominating the step (a
     slow device, so remat's recomputed flops count), host memory over `host`."""
     model = sd.make_two(jax.random.key(0))
@@ -178,7 +178,7 @@ def _search(host: eqxshard.Link) -> eqxshard.Plan:
 @pytest.mark.heavy
 def test_auto_plan_rematerialises_only_the_wide_stack():
     # Host memory is far (a slow `host` link), so offloading does not pay.
-    plan = _search(eqxshard.Link(bandwidth=1e7, latency=1e-3))
+    plan = _search(eqxshard.links.Link(bandwidth=1e7, latency=1e-3))
     assert plan.remat == {"wide": "full", "narrow": "none"} and plan.pipeline is None
     chosen = plan.chosen
     assert chosen.remat == plan.remat and chosen.name.endswith("+ remat full on wide")
@@ -218,7 +218,7 @@ def test_a_fast_host_link_chooses_offload_whose_plan_holds_its_row():
     # Compute is slow and host memory near: keeping the matmul outputs in host memory
     # beats recomputing them ("full"), and fits where keeping them on the device ("dots")
     # does not.
-    plan = _search(eqxshard.Link(bandwidth=1e12, latency=1e-7))
+    plan = _search(eqxshard.links.Link(bandwidth=1e12, latency=1e-7))
     assert set(plan.chosen.remat.values()) == {"offload"} and plan.offload == ()
     chosen = plan.chosen
     # The saved matmul outputs (the wide and narrow hidden pre-tanh of every layer) are in

@@ -150,7 +150,7 @@ def test_rows_not_compiled_show_no_estimate_mark_and_a_slower_offload_says_why()
         candidate_row("DP", 1 << 20, True),
         candidate_row("DP + offload", 1 << 20, True, host_time=0.5),
     )
-    slow = eqxshard.Candidate(**{**slow.__dict__, "time": 1.5})
+    slow = eqxshard.report.Candidate(**{**slow.__dict__, "time": 1.5})
     assert ranked([fast, slow], 2 << 20)[1].reason == (
         "fits, but 1.50x the chosen step time: host memory traffic 500.00 ms vs 0 s"
     )
@@ -179,7 +179,7 @@ def test_auto_plan_compiles_no_remat_that_saves_nothing_and_its_plan_runs(monkey
     monkeypatch.setattr(jobs, "_CACHE", fresh)
     monkeypatch.setattr(batch_proxies, "CACHE", fresh)
     monkeypatch.setattr(jobs, "share_alongside", lambda rest, seconds: [])
-    far = eqxshard.Link(bandwidth=1e7, latency=1e-3)  # offloading the state does not pay
+    far = eqxshard.links.Link(bandwidth=1e7, latency=1e-3)  # offloading the state does not pay
     options: dict[str, Any] = dict(
         devices=2, budget="3.5MiB", optimizer=sd.OPTIMIZER, progress=False, links={"host": far}
     )

@@ -19,8 +19,8 @@ from eqxshard._plans.auto.layout import Layout
 from eqxshard._plans.auto.measure.jobs import Job
 from eqxshard._plans.auto.scale.extrapolate import reduced_shape
 
-SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
-MEDIUM = eqxshard.Link(bandwidth=1e9, latency=1e-5)
+SLOW = eqxshard.links.Link(bandwidth=1e8, latency=1e-3)
+MEDIUM = eqxshard.links.Link(bandwidth=1e9, latency=1e-5)
 # The scaled bytes per device of a stage mesh against a compile of it: with `data` shrunk
 # to 1 on the smaller mesh, the gradients' all-reduce over it is added with a buffer of
 # their size, which XLA does not always allocate: the estimate is then high by up to the

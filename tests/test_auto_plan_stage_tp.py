@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import eqxshard
 
-SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
-MEDIUM = eqxshard.Link(bandwidth=1e9, latency=1e-5)
+SLOW = eqxshard.links.Link(bandwidth=1e8, latency=1e-3)
+MEDIUM = eqxshard.links.Link(bandwidth=1e9, latency=1e-5)
 
 
 def _make(key):
@@ -38,7 +38,7 @@ def test_a_stage_x_model_plan_runs_as_its_table_says_and_trains_as_one_device():
     plan = eqxshard.auto_plan(sd.step, model, sd.shapes(batch=8, tokens=4, d=32), **options)
     chosen = plan.chosen
     assert chosen.mesh_shape == {"stage": 2, "model": 2} and chosen.name == "PP x TP"
-    assert plan.pipeline is not None and plan.pipeline["axis"] == "stage"
+    assert plan.pipeline is not None and plan.pipeline.axis == "stage"
     built, opt_state = plan.init(_make, sd.OPTIMIZER)(jax.random.key(0))
     up = built.blocks.blocks.up.weight.sharding.spec
     down = built.blocks.blocks.down.weight.sharding.spec

@@ -17,7 +17,7 @@ import eqxshard
 from eqxshard._plans.auto.dimensions.remat import policies
 from eqxshard._plans.auto.layout import Layout
 
-SLOW = eqxshard.Link(bandwidth=1e8, latency=1e-3)
+SLOW = eqxshard.links.Link(bandwidth=1e8, latency=1e-3)
 
 
 def _make(layers):
@@ -69,7 +69,7 @@ def test_remat_makes_a_model_fit_that_no_layout_fits_without(tight):
 
 def test_remat_variants_are_pruned_by_arithmetic():
     layout = Layout("DP", {"data": 2}, None)
-    slow = eqxshard.Candidate(
+    slow = eqxshard.report.Candidate(
         rank=0,
         name="DP",
         mesh_shape={"data": 2},
@@ -86,7 +86,7 @@ def test_remat_variants_are_pruned_by_arithmetic():
         reason="",
     )
     fitting = Layout("FSDP", {"fsdp": 2}, None)
-    fits = eqxshard.Candidate(**{**slow.__dict__, "name": "FSDP", "fits": True})
+    fits = eqxshard.report.Candidate(**{**slow.__dict__, "name": "FSDP", "fits": True})
     todo, pruned = policies.worth([(layout, slow), (fitting, fits)], ["blocks"], ("dots",), 1.0)
     assert todo == [] and [v.name for v, _ in pruned] == ["DP + remat dots"]
     row = policies.dominated(pruned[0][0], slow, 1.0)
@@ -114,7 +114,7 @@ def test_stages_win_when_the_other_axes_are_slow():
     plan = eqxshard.auto_plan(
         sd.step, model, sd.shapes(batch=16, tokens=32), links=links, **options
     )
-    assert plan.pipeline is not None and plan.pipeline["axis"] == "stage"
+    assert plan.pipeline is not None and plan.pipeline.axis == "stage"
     assert plan.mesh.shape["stage"] == 2 and plan.remat == {}
     chosen = plan.chosen
     assert "2 stages x" in chosen.reason and "bubble" in chosen.reason

@@ -40,16 +40,18 @@ def test_a_pattern_does_not_take_a_longer_path_that_ends_the_same_way():
     rule, skipped = built
     assert skipped == []
     mesh = jax.make_mesh((2,), ("model",), axis_types=(AxisType.Auto,))
-    plan = eqxshard.filter_plan(model, mesh, rule)
+    plan = eqxshard.filter_shardings(model, mesh, rule)
     assert plan.linear.weight.spec == P("model", None)
     assert plan.linear.bias.spec == P("model")
     assert plan.inner.linear.weight.spec == P(None, "model")
     assert plan.inner.linear.bias.spec == P()
     # The optimiser state's copies (`mu.linear.weight`, ...) are laid out as the model.
     state = {"mu": model}
-    placed = eqxshard.filter_plan(state, mesh, rule)
+    placed = eqxshard.filter_shardings(state, mesh, rule)
     assert placed["mu"].inner.linear.weight.spec == P(None, "model")
     assert placed["mu"].linear.weight.spec == P("model", None)
     # The rule reads back as Python and gives the same layout.
     again = eval(repr(rule), {"path_rules": eqxshard.path_rules, "P": P})
-    assert eqxshard.filter_plan(model, mesh, again).inner.linear.weight.spec == P(None, "model")
+    assert eqxshard.filter_shardings(model, mesh, again).inner.linear.weight.spec == P(
+        None, "model"
+    )

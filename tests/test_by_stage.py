@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 import eqxshard
-from eqxshard import StageRow
+from eqxshard.report import StageRow
 
 
 def tree():

@@ -130,7 +130,7 @@ def test_errors_are_raised_on_every_call(resolves):
     mesh = make_mesh("auto", (8,), ("data",))
     filter_shard({"x": np.ones((8, 4))}, mesh, P("data"))
     for _ in range(2):  # a failing call is never remembered
-        with pytest.raises(ValueError, match=r"\['x'\].*dim 0 = 6 is not divisible by 8"):
+        with pytest.raises(ValueError, match=r"\n  x.*dim 0 = 6 is not divisible by 8"):
             filter_shard({"x": np.ones((6, 4))}, mesh, P("data"))
         with pytest.raises(TypeError, match="dtype JAX has no arrays of"):
             filter_shard({"x": np.array(["a"] * 8)}, mesh, P("data"))

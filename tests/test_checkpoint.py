@@ -92,7 +92,7 @@ def test_restore_onto_fewer_devices_with_a_rule(tmp_path: Path) -> None:
     filter_save(tmp_path, 0, placed_model())
     mesh = make_mesh("explicit", shape=(2,), names=("data",))
     out = filter_restore(tmp_path, abstract_model(), mesh, eqxshard.fsdp("data", min_size=0))
-    expected = eqxshard.filter_plan(abstract_model(), mesh, eqxshard.fsdp("data", min_size=0))
+    expected = eqxshard.filter_shardings(abstract_model(), mesh, eqxshard.fsdp("data", min_size=0))
     arrays = [x for x in jax.tree.leaves(out) if eqx.is_array(x)]
     for a, s in zip(arrays, jax.tree.leaves(expected), strict=True):
         assert_placed(a, s)
@@ -149,7 +149,7 @@ def test_like_with_shape_dtype_struct_shardings(tmp_path: Path) -> None:
         ),
         abstract_model(),
     )
-    with pytest.raises(ValueError, match=r"cannot split(.|\n)*\.scale"):
+    with pytest.raises(ValueError, match=r"cannot split(.|\n)*\n  scale "):
         filter_restore(tmp_path, like)  # the checks of `filter_shard` run on them too
     like = eqx.tree_at(lambda m: m.linear.weight, like, model.linear.weight)
     like = eqx.tree_at(
@@ -255,7 +255,7 @@ def test_no_checkpoint_and_missing_step(tmp_path: Path) -> None:
 
 def test_no_sharding_to_read_into(tmp_path: Path) -> None:
     filter_save(tmp_path, 1, placed_model())
-    with pytest.raises(ValueError, match=r"no sharding to read these leaves into(.|\n)*\.scale"):
+    with pytest.raises(ValueError, match=r"no sharding to read these leaves(.|\n)*\n  scale\n"):
         filter_restore(tmp_path, abstract_model())
     # shardings of an abstract mesh (from `eval_shape` under `jax.set_mesh`) do not count
     mesh = make_mesh("explicit")
@@ -299,7 +299,7 @@ def test_save_inside_jit_is_an_error(tmp_path: Path) -> None:
         filter_save(tmp_path, 0, {"x": x})
         return x
 
-    with pytest.raises(TypeError, match=r"cannot save traced leaves(.|\n)*\['x'\]"):
+    with pytest.raises(TypeError, match=r"cannot save traced leaves(.|\n)*\n  x"):
         f(jnp.zeros(2))
 
 
@@ -418,9 +418,9 @@ def test_failed_saves_end_promptly_and_leave_nothing(tmp_path: Path) -> None:
 
 def test_zero_size_leaves_are_rejected_before_anything_is_written(tmp_path: Path) -> None:
     tree = {"a": jnp.zeros((0, 3)), "b": jnp.ones(2), "c": {"d": jnp.zeros((2, 0))}}
-    with pytest.raises(ValueError, match=r"zero-size(.|\n)*\['a'\] +shape \(0, 3\)") as info:
+    with pytest.raises(ValueError, match=r"zero-size(.|\n)*\n  a +shape \(0, 3\)") as info:
         filter_save(tmp_path / "c", 0, tree)
-    assert "['c']['d']  shape (2, 0)" in str(info.value)
+    assert "c.d  shape (2, 0)" in str(info.value)
     assert not (tmp_path / "c").exists()
 
 

@@ -12,8 +12,9 @@ from helpers import MESH_KINDS, make_mesh
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
-from eqxshard import ShardingTable, _compat, describe, fsdp, path_rules
+from eqxshard import _compat, describe, fsdp, path_rules
 from eqxshard._tree import format_bytes
+from eqxshard.report import ShardingTable
 
 
 def tree() -> dict:
@@ -146,7 +147,7 @@ def test_abstract_mesh_plans_as_a_concrete_one() -> None:
     abstract = _compat.abstract_mesh((2, 4), ("data", "model"))
     rule = path_rules([(r".*weight", P("model", "data")), (r".*", P())])
     planned = [
-        [s.spec for s in jax.tree.leaves(eqxshard.filter_plan(model, mesh, rule))]
+        [s.spec for s in jax.tree.leaves(eqxshard.filter_shardings(model, mesh, rule))]
         for mesh in (concrete, abstract)
     ]
     assert planned[0] == planned[1]

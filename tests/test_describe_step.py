@@ -13,8 +13,9 @@ from helpers import make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard import StepLeaf, describe_step
+from eqxshard import describe_step
 from eqxshard._step.pinned import pinned_ops
+from eqxshard.report import StepLeaf
 
 OPTIMIZER = optax.sgd(0.1)
 
@@ -54,15 +55,15 @@ def test_a_split_step_is_split_and_lists_its_layouts() -> None:
     assert report.work_fraction == pytest.approx(1 / 8, rel=0.1)
     assert not report.runs_replicated and report.problems() == []
     paths = [leaf.path for leaf in report.inputs]
-    assert paths[0] == "args[0].layers[0].weight" and paths[-2:] == ["args[1]", "args[2]"]
+    assert paths[0] == "args.0.layers.0.weight" and paths[-2:] == ["args.1", "args.2"]
     assert report.inputs[-1].asked == NamedSharding(mesh, P("data"))
     assert report.inputs[-1].compiled is not None
     assert report.inputs[-1].compiled.is_equivalent_to(NamedSharding(mesh, P("data")), 1)
-    assert [leaf.path for leaf in report.outputs][-1] == "out[1]"  # the loss
+    assert [leaf.path for leaf in report.outputs][-1] == "out.1"  # the loss
     assert report.outputs[-1].asked is None and report.outputs[-1].shape == ()
     assert report.memory["argument"] > 0
     text = str(report)
-    assert "args[1]" in text and "P('data',)" in text and "an even split: 12.5%" in text
+    assert "args.1" in text and "P('data',)" in text and "an even split: 12.5%" in text
 
 
 def test_error_if_on_the_inputs_makes_xla_run_the_loss_replicated() -> None:

@@ -268,7 +268,7 @@ def _hlo(lowered):
 def test_program_equals_hand_written_jit(axis_type):
     mesh, params, x, step = _setup(axis_type)
     rule = _rule()
-    plan = eqxshard.filter_plan(params, mesh, rule)
+    plan = eqxshard.filter_shardings(params, mesh, rule)
     rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     ours = _filter_jit(
         step,
@@ -314,7 +314,7 @@ def test_inputs_moved_in_one_batched_transfer(monkeypatch):
     assert len(calls) == 2  # ours above, then one for every leaf not laid out as asked
     moved = calls[1][0]
     assert len(moved) == len(jtu.tree_leaves(params)) + 1
-    plan = eqxshard.filter_plan(params, mesh, rule)
+    plan = eqxshard.filter_shardings(params, mesh, rule)
     placed = eqxshard.filter_shard((params, x), (plan, NamedSharding(mesh, P("data"))))
     calls.clear()
     f(*placed)  # laid out already: nothing moves
@@ -375,7 +375,7 @@ def test_move_inputs_false_names_leaf_and_layouts():
     wrong = eqxshard.filter_shard(jnp.ones((8, 2)), mesh, P(None, "model"))
     with pytest.raises(
         ValueError,
-        match=r"move_inputs=False(.|\n)*args\[1\].*P\(None, 'model'\).*asked P\('data',\)",
+        match=r"move_inputs=False(.|\n)*args\.1.*P\(None, 'model'\).*asked P\('data',\)",
     ):
         f(good, wrong)
 
@@ -441,25 +441,24 @@ def test_bad_arguments():
         _filter_jit(3)  # pyright: ignore[reportArgumentType, reportCallIssue]
     with pytest.raises(ValueError, match="`donate`.*'sometimes'"):
         _filter_jit(lambda x: x, donate="sometimes")
-    with pytest.raises(TypeError, match=r"`donate`(.|\n)*\[1\]  int 1"):
+    with pytest.raises(TypeError, match=r"`donate`(.|\n)*\n  1  int 1"):
         _filter_jit(lambda x, y: x, donate=(True, 1))
-    with pytest.raises(TypeError, match=r"`donate` filter(.|\n)*\[0\]  returned str"):
+    with pytest.raises(TypeError, match=r"`donate` filter(.|\n)*\n  0  returned str"):
         _filter_jit(lambda x: x, donate=lambda x: "yes")(jnp.ones(2))
     with pytest.raises(ValueError, match="`donate` tree whose structure is not a prefix"):
         _filter_jit(lambda x: x, donate=(True, False, True))(jnp.ones(2))
-    with pytest.raises(TypeError, match=r"`in_shardings`(.|\n)*\[1\]  str 'data'"):
+    with pytest.raises(TypeError, match=r"`in_shardings`(.|\n)*\n  1  str 'data'"):
         _filter_jit(lambda x, y: x, in_shardings=(None, "data"))
-    with pytest.raises(TypeError, match=r"`out_shardings`(.|\n)*\['a'\]  int 3"):
+    with pytest.raises(TypeError, match=r"`out_shardings`(.|\n)*\n  a  int 3"):
         _filter_jit(lambda x: x, out_shardings={"a": 3})
     with pytest.raises(ValueError, match="`in_shardings` whose structure is not a prefix"):
         _filter_jit(lambda x: x, in_shardings=(P(), P()), mesh=mesh)(jnp.ones(8))
     with pytest.raises(ValueError, match="`out_shardings` whose structure is not a prefix"):
         _filter_jit(lambda x: x, out_shardings=(P(), P()), mesh=mesh)(jnp.ones(8))
-    with pytest.raises(ValueError, match=r"no mesh(.|\n)*\[0\]  spec"):
+    with pytest.raises(ValueError, match=r"no mesh(.|\n)*\n  0\.0  spec"):
         _filter_jit(lambda x: x, in_shardings=P("data"))(jnp.ones(8))
-    with pytest.raises(
-        ValueError, match=r"In `in_shardings`(.|\n)*\[0\]\['b'\](.|\n)*not divisible"
-    ):
+    divisible = r"In `in_shardings`(.|\n)*\n  0\.0\.b(.|\n)*not divisible"
+    with pytest.raises(ValueError, match=divisible):
         _filter_jit(lambda t: t, in_shardings=P("data"), mesh=mesh)(
             {"a": jnp.ones(8), "b": jnp.ones(3)}
         )
@@ -467,9 +466,9 @@ def test_bad_arguments():
         _filter_jit(lambda x: x, mesh="data")
     with pytest.raises(TypeError, match="`move_inputs` as a bool"):
         _filter_jit(lambda x: x, move_inputs="no")  # pyright: ignore[reportArgumentType, reportCallIssue]
-    with pytest.raises(ValueError, match=r"`\*\*kwargs`(.|\n)*kwargs\['y'\]"):
+    with pytest.raises(ValueError, match=r"`\*\*kwargs`(.|\n)*kwargs\.y"):
         _filter_jit(lambda x, **kw: x, in_shardings=(P(),), mesh=mesh)(jnp.ones(8), y=jnp.ones(8))
-    with pytest.raises(TypeError, match=r"hashable(.|\n)*args\[1\]  Unhashable"):
+    with pytest.raises(TypeError, match=r"hashable(.|\n)*args\.1  Unhashable"):
 
         class Unhashable:
             __hash__ = None  # type: ignore[assignment]
@@ -518,7 +517,7 @@ def test_compiled_lays_out_its_inputs_too():
 
 def test_a_plan_and_like_as_in_shardings():
     mesh, params, x, step = _setup(AxisType.Explicit)
-    plan = eqxshard.filter_plan(params, mesh, _rule())
+    plan = eqxshard.filter_shardings(params, mesh, _rule())
     moments = jtu.tree_map(jnp.zeros_like, params)  # mirrors `params`, as optax state does
     placed = eqxshard.filter_shard(params, plan)
     f = _filter_jit(
@@ -592,7 +591,7 @@ def test_calling_again_with_donated_arrays_names_them():
         step(jnp.ones(()))
     m = M(jnp.ones(3))
     m(jnp.ones(()))
-    with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*\[0\]\.w(.|\n)*all-except"):
+    with pytest.raises(ValueError, match=r"earlier call donated(.|\n)*\n  0\.w(.|\n)*all-except"):
         m(jnp.ones(()))
 
     class Kept(eqx.Module):  # `"all-except-first"` keeps `self`, the first argument

@@ -29,7 +29,7 @@ def test_like_of_a_tree_with_no_arrays_raises_and_names_the_filter() -> None:
         like({"a": 1, "b": "x"})
     # The abstract tree itself, with a plan, is what to pass.
     mesh = make_mesh("auto", shape=(8,), names=("data",))
-    rule = like(abstract, plan=eqxshard.filter_plan(abstract, mesh, fsdp("data")))
+    rule = like(abstract, plan=eqxshard.filter_shardings(abstract, mesh, fsdp("data")))
     assert repr(rule) == "like(<6 parameters>)"
 
 

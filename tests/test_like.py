@@ -15,7 +15,7 @@ from helpers import MESH_KINDS, assert_placed, assert_sharding, make_mesh, named
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
-from eqxshard import filter_init, filter_plan, fsdp, like, path_rules
+from eqxshard import filter_init, filter_shardings, fsdp, like, path_rules
 
 RULES = path_rules([(r"layers\.[01]\.weight", P("data", "model")), (r".*", P())])
 
@@ -83,7 +83,7 @@ def test_inside_jit_explicit_reads_traced_params() -> None:
 def test_inside_jit_auto_needs_the_plan(kind: str) -> None:
     mesh = make_mesh(kind)
     params = params_on(mesh)
-    plan = filter_plan(params, mesh, RULES)
+    plan = filter_shardings(params, mesh, RULES)
     optimiser = optax.adam(1e-3)
 
     @eqx.filter_jit
@@ -100,7 +100,7 @@ def test_inside_jit_auto_needs_the_plan(kind: str) -> None:
     with pytest.raises(ValueError, match="`like` cannot read the layout") as info:
         init_without_plan(params)
     assert "traced and laid out over Auto mesh axes" in str(info.value)
-    assert ".layers[0].weight" in str(info.value) and "plan=filter_plan" in str(info.value)
+    assert "layers.0.weight" in str(info.value) and "plan=filter_shardings" in str(info.value)
 
 
 def test_jit_of_init_alone_does_not_follow_on_auto_meshes() -> None:
@@ -131,7 +131,7 @@ def test_longest_suffix_and_shape_decide() -> None:
         "row": {"w": jnp.ones(8)},  # ends with "w" but another shape: replicated
         "step": jnp.zeros((), jnp.int32),
     }
-    plan = filter_plan(state, mesh, like(params))
+    plan = filter_shardings(state, mesh, like(params))
     assert plan["mu"]["a"]["w"].spec == P("data")
     assert plan["mu"]["w"].spec == P(None, "model")
     assert plan["row"]["w"].spec == P() and plan["step"].spec == P()
@@ -140,15 +140,15 @@ def test_longest_suffix_and_shape_decide() -> None:
 def test_abstract_params_with_a_plan_and_single_device_params() -> None:
     mesh = make_mesh("explicit")
     abstract = eqx.filter_eval_shape(lambda: {"w": jnp.ones((8, 4)), "b": jnp.ones(4)})
-    plan = filter_plan(abstract, mesh, fsdp("data", min_size=0))
+    plan = filter_shardings(abstract, mesh, fsdp("data", min_size=0))
     state = eqx.filter_eval_shape(optax.sgd(0.1, momentum=0.9).init, abstract)
-    got = filter_plan(state, mesh, like(abstract, plan=plan))
+    got = filter_shardings(state, mesh, like(abstract, plan=plan))
     assert got[0].trace["w"].spec == P("data") and got[0].trace["b"].spec == P("data")
     # Parameters on one device count as replicated.
     on_one = jax.device_put({"w": jnp.ones((8, 4))}, jax.devices()[0])
-    assert filter_plan({"mu": on_one}, mesh, like(on_one))["mu"]["w"].spec == P()
+    assert filter_shardings({"mu": on_one}, mesh, like(on_one))["mu"]["w"].spec == P()
     device_plan = {"w": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
-    assert filter_plan({"mu": on_one}, mesh, like(on_one, device_plan))["mu"]["w"].spec == P()
+    assert filter_shardings({"mu": on_one}, mesh, like(on_one, device_plan))["mu"]["w"].spec == P()
 
 
 def test_parameters_whose_layout_cannot_be_read() -> None:

@@ -169,18 +169,18 @@ def test_different_sizes_lists_every_mapped_leaf():
     with pytest.raises(ValueError, match="same size") as info:
         filter_map(lambda d, y: y, batch_size=2)(*args)
     msg = str(info.value)
-    for path in ("args[0]['a']", "args[0]['b']", "args[1]"):
+    for path in ("args.0.a", "args.0.b", "args.1"):
         assert path in msg
     assert "size 4" in msg and "size 3" in msg
 
 
 def test_axis_out_of_range_lists_leaves():
-    with pytest.raises(ValueError, match=r"axis these leaves do not have:\n  args\[0\]"):
+    with pytest.raises(ValueError, match=r"axis these leaves do not have:\n  args\.0"):
         filter_map(lambda x, y: x, in_axes=(2, 0))(jnp.ones((3, 2)), jnp.ones(3))
 
 
 def test_mapped_non_array_is_type_error():
-    with pytest.raises(TypeError, match=r"non-array leaves:\n  args\[1\]\s+str"):
+    with pytest.raises(TypeError, match=r"non-array leaves:\n  args\.1\s+str"):
         filter_map(lambda x, s: x, in_axes=(0, 0))(jnp.ones(3), "text")
 
 
@@ -195,7 +195,7 @@ def test_in_axes_bad_spec_type():
 
 
 def test_out_axes_on_non_array():
-    with pytest.raises(ValueError, match=r"not arrays or lack that axis:\n  out\[1\]"):
+    with pytest.raises(ValueError, match=r"not arrays or lack that axis:\n  out\.1"):
         filter_map(lambda x: (x, "s"), out_axes=0)(jnp.ones(3))
 
 

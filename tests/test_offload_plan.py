@@ -73,7 +73,7 @@ def test_a_tight_budget_offloads_and_the_compiled_step_agrees():
     assert (
         "optimiser state in host memory: " in chosen.reason and "of PCIe per step" in chosen.reason
     )
-    host = eqxshard.LINKS["host"]
+    host = eqxshard.links.LINKS["host"]
     assert chosen.host_time == pytest.approx(
         2 * (host.latency + chosen.host_bytes / host.bandwidth)
     )
@@ -115,7 +115,7 @@ def test_a_tight_budget_offloads_and_the_compiled_step_agrees():
 
 def test_the_host_link_prices_the_offload():
     fast = auto_plan(TIGHT)
-    slow = auto_plan(TIGHT, links={"host": eqxshard.Link(bandwidth=1e9, latency=1e-4)})
+    slow = auto_plan(TIGHT, links={"host": eqxshard.links.Link(bandwidth=1e9, latency=1e-4)})
     assert slow.chosen.host_time > 10 * fast.chosen.host_time
     assert slow.chosen.communication_time == pytest.approx(fast.chosen.communication_time)
 

@@ -91,12 +91,12 @@ def test_complex_where_equinox_raises(setting):
     with pytest.raises(
         TypeError,
         match=r"`filter_jacfwd` \(forward mode\) needs real-valued "
-        r"inputs.*\n  \['z'\]  complex64\(2,\)\nDifferentiate their real",
+        r"inputs.*\n  z  complex64\(2,\)\nDifferentiate their real",
     ):
         eqxshard.filter_jacfwd(jnp.sin, **options)(x)
     with pytest.raises(TypeError, match="real-valued"):
         eqx.filter_hessian(lambda x: jnp.sum(jnp.abs(x["z"]) ** 2))(x)
-    with pytest.raises(TypeError, match=r"forward mode.*\n  \['z'\]"):
+    with pytest.raises(TypeError, match=r"forward mode.*\n  z"):
         eqxshard.filter_hessian(lambda x: jnp.sum(jnp.abs(x["z"]) ** 2), **options)(x)
 
     def f(w):
@@ -107,7 +107,7 @@ def test_complex_where_equinox_raises(setting):
     with pytest.raises(
         TypeError,
         match=r"reverse mode\) needs real floating-point outputs"
-        r".*\n  \['im'\]  complex64\(2,\)\n.*real and imaginary",
+        r".*\n  im  complex64\(2,\)\n.*real and imaginary",
     ):
         eqxshard.filter_jacrev(f, **options)(x["w"])
 
@@ -127,7 +127,7 @@ def test_integer_inputs_and_outputs_as_equinox(setting):
     with pytest.raises(ValueError):
         eqx.filter_jacrev(lambda x: x[1] * 1.5)(pair)
     for verb in ("fwd", "rev"):
-        with pytest.raises(ValueError, match=r"has none.*\n  \[0\]  float 1.0\n  \[1\]  int32"):
+        with pytest.raises(ValueError, match=r"has none.*\n  0  float 1.0\n  1  int32"):
             VERBS[verb][0](lambda x: x[1] * 1.5, **options)(pair)
     # Reverse mode: `x**3` of an int is an int output, which reverse mode cannot do.
     for x in (three, jnp.asarray(3.0)):

@@ -306,8 +306,8 @@ def test_inputs_committed_to_different_devices_are_refused_naming_each():
         with pytest.raises(
             ValueError,
             match=r"`filter_map` got arrays committed to different devices.*\n"
-            r"  args\[0\]  committed to 8 cpu devices \[0, 1, 2, 3, 4, 5, 6, 7\]\n"
-            r"  args\[1\]  committed to cpu device 3\n"
+            r"  args\.0  committed to 8 cpu devices \[0, 1, 2, 3, 4, 5, 6, 7\]\n"
+            r"  args\.1  committed to cpu device 3\n"
             r"Put them on the same devices first",
         ):
             filter_map(f, batch_size=batch_size, memory_budget=budget)(x, y)

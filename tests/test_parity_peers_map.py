@@ -97,7 +97,7 @@ def test_python_scalar_output_with_an_int_out_axes_is_broadcast(scalar):
 def test_a_string_output_with_an_int_out_axes_is_refused_as_by_equinox():
     with pytest.raises(TypeError, match="not a valid JAX type"):
         eqx.filter_vmap(lambda x: (x, "s"), out_axes=0)(jnp.arange(7.0))
-    with pytest.raises(ValueError, match=r"not arrays or lack that axis:\n  out\[1\]  str"):
+    with pytest.raises(ValueError, match=r"not arrays or lack that axis:\n  out\.1  str"):
         filter_map(lambda x: (x, "s"), out_axes=0)(jnp.arange(7.0))
 
 
@@ -108,9 +108,7 @@ def test_a_scalar_mapped_names_the_leaf():
     args = (jnp.array(3.0), jnp.array([3.0]))
     with pytest.raises(ValueError, match="rank should be at least 1"):
         eqx.filter_vmap(lambda a, b: a + b, in_axes=in_axes)(*args)
-    with pytest.raises(
-        ValueError, match=r"axis these leaves do not have:\n  args\[0\]  shape \(\)"
-    ):
+    with pytest.raises(ValueError, match=r"axis these leaves do not have:\n  args\.0  shape \(\)"):
         filter_map(lambda a, b: a + b, in_axes=in_axes)(*args)
 
 

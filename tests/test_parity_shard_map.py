@@ -219,7 +219,7 @@ def test_vmap_spec_naming_the_taken_axis():
     with pytest.raises(ValueError, match="manual"):
         theirs(arr)
     with pytest.raises(
-        ValueError, match=r"(?s)`in_specs` naming mesh axes outside `axis_names`.*\[0\]"
+        ValueError, match=r"(?s)`in_specs` naming mesh axes outside `axis_names`.*\n  0"
     ):
         ours(arr)
 
@@ -256,7 +256,7 @@ def test_unreduced_axis_outside_axis_names_is_refused():
         out_specs=P("x", unreduced=frozenset({"y"})),
         axis_names={"x"},
     )
-    with pytest.raises(ValueError, match=r"(?s)`out_specs` naming mesh axes outside.*\['y'\]"):
+    with pytest.raises(ValueError, match=r"(?s)`out_specs` naming mesh axes outside.*\n  y"):
         jax.jit(f)(laid_out(mesh, (4, 8), P("x")))
 
 
@@ -290,7 +290,7 @@ def test_ref_not_laid_out_is_refused():
     mesh = mesh2("explicit")
     ref = jax.new_ref(jnp.zeros(8))
     f = filter_shard_map(lambda r: r[...], mesh=mesh, in_specs=P("x"), out_specs=P("x"))
-    with pytest.raises(ValueError, match=r"(?s)mutable arrays.*\[0\].*laid out as"):
+    with pytest.raises(ValueError, match=r"(?s)mutable arrays.*\n  0.*laid out as"):
         jax.jit(f)(ref)
     assert not _compat.is_ref(jnp.zeros(2))
 

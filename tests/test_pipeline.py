@@ -6,6 +6,7 @@ bytes per device; the remat policies."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -20,6 +21,11 @@ import eqxshard
 from eqxshard import _compat
 from eqxshard._pipeline.spmd.pipeline import run_pipeline
 from eqxshard._pipeline.spmd.stage_major import from_stage_major, to_stage_major
+
+
+def _schedule(repeats: int) -> dict[str, Any]:
+    """`filter_pipeline`'s schedule arguments for `repeats` chunks of layers per stage."""
+    return {"schedule": "gpipe"} if repeats == 1 else {"schedule": "circular", "repeats": repeats}
 
 
 def _x(batch=16):
@@ -74,7 +80,7 @@ def test_matches_scan_under_jit(kind, shape, names, xspec, repeats, reference):
 
     def pipe(blocks, x):
         return eqxshard.filter_pipeline(
-            _layer, blocks, x, mesh=mesh, microbatches=4, repeats=repeats
+            _layer, blocks, x, mesh=mesh, microbatches=4, **_schedule(repeats)
         )
 
     out = jax.jit(pipe)(blocks, x)
@@ -102,7 +108,7 @@ def test_eager_equinox_blocks_and_value_and_grad(repeats):
 
     def pipe(blocks, x):
         return eqxshard.filter_pipeline(
-            layer, blocks, x, mesh=mesh, microbatches=4, repeats=repeats, remat="full"
+            layer, blocks, x, mesh=mesh, microbatches=4, **_schedule(repeats), remat="full"
         )
 
     def scan(blocks, x):
@@ -162,7 +168,7 @@ def test_remat_full_recomputes_layers():
 def _compiled(mesh, repeats, blocks, x, **kwargs):
     def pipe(blocks, x):
         return eqxshard.filter_pipeline(
-            _layer, blocks, x, mesh=mesh, microbatches=8, repeats=repeats, **kwargs
+            _layer, blocks, x, mesh=mesh, microbatches=8, **_schedule(repeats), **kwargs
         )
 
     return jax.jit(jax.grad(_loss(pipe), argnums=(0, 1))).lower(blocks, x).compile()

@@ -4,6 +4,7 @@ does (values and gradients), and its programs show the remat and the pipeline.""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import equinox as eqx
@@ -15,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 
 import eqxshard
 
-PIPELINE = {"axis": "stage", "microbatches": 4, "repeats": 1}
+PIPELINE = eqxshard.Pipeline(axis="stage", microbatches=4)
+CIRCULAR = dataclasses.replace(PIPELINE, repeats=2)
 
 
 def _plan(**choices):
@@ -55,7 +57,9 @@ def unconfigured():
     [
         {"remat": {"blocks": "dots"}},
         pytest.param({"remat": {"blocks": "full"}, "pipeline": PIPELINE}, marks=pytest.mark.heavy),
-        pytest.param({"pipeline": dict(PIPELINE, repeats=2)}, marks=pytest.mark.heavy),
+        pytest.param(
+            {"pipeline": dataclasses.replace(PIPELINE, repeats=2)}, marks=pytest.mark.heavy
+        ),
     ],
     ids=["remat", "remat+gpipe", "circular"],
 )
@@ -66,9 +70,9 @@ def test_apply_configures_the_stacks_and_computes_the_same(choices, unconfigured
     stack = configured.blocks
     assert stack.remat == choices.get("remat", {}).get("blocks", "none")
     pipeline = choices.get("pipeline")
-    assert stack.axis == (pipeline and pipeline["axis"])
-    assert stack.microbatches == (pipeline and pipeline["microbatches"])
-    assert stack.repeats == (pipeline["repeats"] if pipeline else 1)
+    assert stack.axis == (pipeline and pipeline.axis)
+    assert stack.microbatches == (pipeline and pipeline.microbatches)
+    assert stack.repeats == (pipeline.repeats if pipeline else 1)
     assert model.blocks.remat == "none" and model.blocks.axis is None  # not changed in place
     # The layer dim is split over the stages, the other leaves replicated.
     assert configured.blocks.blocks.up.weight.sharding.spec == P("stage")

@@ -59,7 +59,7 @@ def test_jit_runs_the_plan_as_the_table_says_and_trains_like_one_device(plan):
         one_model, one_state, one_loss = one_step(one_model, one_state, batch)
         np.testing.assert_allclose(loss, one_loss, rtol=1e-5)
     # The new model and state keep the plan's layout.
-    expected = eqxshard.filter_plan(model, plan.mesh, plan.rules)
+    expected = eqxshard.filter_shardings(model, plan.mesh, plan.rules)
     got = jax.tree.map(lambda x: x.sharding, eqx.filter(model, eqx.is_array))
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
         assert a.is_equivalent_to(b, 2)
@@ -72,7 +72,7 @@ def test_jit_moves_unplaced_inputs_and_evaluates_with_two_arguments(plan):
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
     new_model, _, _ = plan.jit(step)(model, opt_state, _data())
     weight = new_model.layers[0].weight
-    want = eqxshard.filter_plan(model, plan.mesh, plan.rules).layers[0].weight
+    want = eqxshard.filter_shardings(model, plan.mesh, plan.rules).layers[0].weight
     assert weight.sharding.is_equivalent_to(want, 2)
 
 
@@ -125,8 +125,9 @@ def test_plan_fields_are_checked():
         eqxshard.Plan(**base, offload="optimizer state")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"`offload` parts \['model'\]; the parts that can"):
         eqxshard.Plan(**base, offload=("model",))
-    with pytest.raises(ValueError, match=r"`pipeline` as None or a dict with the keys axis"):
-        eqxshard.Plan(**base, pipeline={"stages": 4})
+    with pytest.warns(DeprecationWarning, match=r"give the pipeline as `Pipeline"):
+        with pytest.raises(ValueError, match=r"`pipeline` as None or an `eqxshard.Pipeline"):
+            eqxshard.Plan(**base, pipeline={"stages": 4})
 
 
 def test_jit_and_apply_errors(plan):

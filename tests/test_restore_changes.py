@@ -104,8 +104,8 @@ def test_after_the_model_changed(tmp_path: Path) -> None:
     assert "strict=False" in text  # the way to restore the rest
     with pytest.warns(
         UserWarning,
-        match=r"(?s)kept `like`'s own value.*\['extra'\]  not in the checkpoint"
-        r".*\['w'\].*saved as \(8, 4\)",
+        match=r"(?s)kept `like`'s own value.*\n  extra  not in the checkpoint"
+        r".*\n  w.*saved as \(8, 4\)",
     ):
         out = filter_restore(tmp_path, new, mesh, P("data"), strict=False)
     _same(out["b"], saved["b"])  # restored
@@ -113,7 +113,7 @@ def test_after_the_model_changed(tmp_path: Path) -> None:
     _same(out["extra"], new["extra"])
     assert out["w"].sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
     abstract = jax.eval_shape(lambda: _tree(1, w=(8, 8), b=(8,)))
-    with pytest.raises(ValueError, match=r"(?s)has no value for these leaves.*\['w'\]"):
+    with pytest.raises(ValueError, match=r"(?s)has no value for these leaves.*\n  w"):
         filter_restore(tmp_path, abstract, mesh, P("data"), strict=False)
     for name in ("strict", "cast"):
         with pytest.raises(TypeError, match=f"`{name}` as a bool"):
@@ -126,7 +126,7 @@ def test_an_equinox_model_after_a_layer_was_added(tmp_path: Path) -> None:
     old = eqxshard.filter_shard(eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0)), mesh)
     filter_save(tmp_path, 0, old)
     new = eqxshard.filter_shard(eqx.nn.MLP(8, 8, 16, 2, key=jax.random.key(1)), mesh)
-    with pytest.warns(UserWarning, match=r"(?s)\.layers\[2\]\.weight.*\.layers\[2\]\.bias"):
+    with pytest.warns(UserWarning, match=r"(?s)layers\.2\.weight.*layers\.2\.bias"):
         out = filter_restore(tmp_path, new, mesh, strict=False)
     _same(out.layers[0].weight, old.layers[0].weight)
     _same(out.layers[2].weight, new.layers[2].weight)

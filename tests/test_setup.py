@@ -36,7 +36,7 @@ CLUSTER_VARS = (
 
 def test_report_says_what_jax_sees():
     report = eqxshard.check_setup()
-    assert isinstance(report, eqxshard.SetupReport)
+    assert isinstance(report, eqxshard.report.SetupReport)
     assert report.process_index == 0
     assert report.process_count == 1
     assert report.local_device_count == report.device_count == 8

@@ -428,11 +428,11 @@ def test_error_spec_on_non_array_input():
     g = filter_shard_map(
         lambda t: t["x"], mesh=mesh1(), in_specs=({"x": P("i"), "n": P("i")},), out_specs=P("i")
     )
-    with pytest.raises(ValueError, match=r"(?s)`in_specs` for leaves that are not arrays.*\['n'\]"):
+    with pytest.raises(ValueError, match=r"(?s)`in_specs` for leaves that are not arrays.*\n  0.n"):
         g({"x": jnp.ones(8), "n": "tag"})
     # A Python scalar with a spec of its own is an array, as in `jax.shard_map`: here a 0-d
     # one that P("i") cannot split.
-    with pytest.raises(ValueError, match=r"(?s)more entries than their leaves have dims.*\['n'\]"):
+    with pytest.raises(ValueError, match=r"(?s)more entries than their leaves have dims.*\n  0\.n"):
         g({"x": jnp.ones(8), "n": 3})
 
 
@@ -440,22 +440,22 @@ def test_error_in_specs_bad_leaves_listed_together():
     mesh = make_mesh("auto", shape=(4, 2), names=("data", "model"))
     tree = {"a": jnp.ones((6, 4)), "b": jnp.ones((10,)), "c": jnp.ones((8,))}
     f = filter_shard_map(lambda t: (), mesh=mesh, in_specs=P("data"), out_specs=())
-    with pytest.raises(ValueError, match=r"(?s)evenly.*\['a'\].*dim 0 = 6.*\['b'\].*dim 0 = 10"):
+    with pytest.raises(ValueError, match=r"(?s)evenly.*\n  0\.a.*dim 0 = 6.*\n  0\.b.*dim 0 = 10"):
         f(tree)
     f = filter_shard_map(lambda t: (), mesh=mesh, in_specs=P("nope"), out_specs=())
-    with pytest.raises(ValueError, match=r"(?s)axes its mesh does not have.*\['a'\].*\['c'\]"):
+    with pytest.raises(ValueError, match=r"(?s)axes its mesh does not have.*\n  0\.a.*\n  0\.c"):
         f(tree)
     f = filter_shard_map(lambda t: (), mesh=mesh, in_specs=P("data", "data"), out_specs=())
     with pytest.raises(ValueError, match=r"more than once"):
         f({"a": jnp.ones((8, 8))})
     f = filter_shard_map(lambda t: (), mesh=mesh, in_specs=P(None, "data"), out_specs=())
-    with pytest.raises(ValueError, match=r"(?s)more entries than.*\['b'\]"):
+    with pytest.raises(ValueError, match=r"(?s)more entries than.*\n  0\.b"):
         f(tree)
 
 
 def test_error_spec_type():
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=("i",), out_specs=P("i"))
-    with pytest.raises(TypeError, match=r"(?s)not PartitionSpecs.*\[0\].*'i' of type str"):
+    with pytest.raises(TypeError, match=r"(?s)not PartitionSpecs.*\n  0.*'i' of type str"):
         f(jnp.ones(8))
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=P("i"), out_specs=lambda p, x: 3)
     with pytest.raises(TypeError, match=r"`out_specs` entries that are not PartitionSpecs"):
@@ -467,7 +467,7 @@ def test_error_named_sharding_on_another_mesh():
     f = filter_shard_map(
         lambda x: x, mesh=mesh1(), in_specs=NamedSharding(other, P("i")), out_specs=P("i")
     )
-    with pytest.raises(ValueError, match=r"(?s)NamedShardings on another mesh.*\[0\]"):
+    with pytest.raises(ValueError, match=r"(?s)NamedShardings on another mesh.*\n  0"):
         f(jnp.ones(8))
 
 
@@ -481,7 +481,7 @@ def test_error_axis_names():
     f = filter_shard_map(
         lambda x: x, mesh=mesh, in_specs=P("model"), out_specs=P("data"), axis_names={"data"}
     )
-    with pytest.raises(ValueError, match=r"(?s)outside `axis_names` \['data'\].*\[0\]"):
+    with pytest.raises(ValueError, match=r"(?s)outside `axis_names` \['data'\].*\n  0"):
         f(jnp.ones(8))
 
 
@@ -506,11 +506,11 @@ def test_error_out_specs():
     x = jnp.ones(8)
     f = filter_shard_map(lambda x: (x, x), mesh=mesh, in_specs=P("i"), out_specs=(P("i"), None))
     with pytest.raises(
-        ValueError, match=r"(?s)`None` in `out_specs` for these array outputs.*\[1\]"
+        ValueError, match=r"(?s)`None` in `out_specs` for these array outputs.*\n  1"
     ):
         f(x)
     f = filter_shard_map(lambda x: (x, "s"), mesh=mesh, in_specs=P("i"), out_specs=(P("i"), P()))
-    with pytest.raises(ValueError, match=r"(?s)`out_specs` for leaves that are not arrays.*\[1\]"):
+    with pytest.raises(ValueError, match=r"(?s)`out_specs` for leaves that are not arrays.*\n  1"):
         f(x)
     f = filter_shard_map(lambda x: (x, x), mesh=mesh, in_specs=P("i"), out_specs=(P("i"),))
     with pytest.raises(ValueError, match=r"`out_specs` whose structure is not a prefix"):

@@ -17,7 +17,16 @@ from helpers import MESH_KINDS, assert_placed, make_mesh
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
-from eqxshard import describe, filter_init, filter_plan, filter_shard, first, fsdp, like, path_rules
+from eqxshard import (
+    describe,
+    filter_init,
+    filter_shard,
+    filter_shardings,
+    first,
+    fsdp,
+    like,
+    path_rules,
+)
 
 RULE = fsdp("data", min_size=0)
 
@@ -70,7 +79,7 @@ def test_filter_shard_takes_a_tuple_of_rules(kind: str) -> None:
 def test_tuple_of_rules_under_jit(kind: str) -> None:
     mesh = make_mesh(kind)
     model, params, state = model_and_state(mesh)
-    plan = filter_plan(params, mesh, RULE)  # inside `jit` on Auto axes, `like` needs it
+    plan = filter_shardings(params, mesh, RULE)  # inside `jit` on Auto axes, `like` needs it
     bare = filter_shard((params, state), mesh)  # replicated
 
     @eqx.filter_jit
@@ -83,13 +92,13 @@ def test_tuple_of_rules_under_jit(kind: str) -> None:
     assert_same_layouts(out[1], filter_shard(state, mesh, like(params)))
 
 
-def test_filter_plan_and_describe_take_a_tuple_of_rules() -> None:
+def test_filter_shardings_and_describe_take_a_tuple_of_rules() -> None:
     mesh = make_mesh("explicit")
     model, params, state = model_and_state(mesh)
     abstract = eqx.filter_eval_shape(lambda: (make_model(), state))
-    plan = filter_plan(abstract, mesh, (RULE, like(params)))
-    assert plan[0] == filter_plan(abstract[0], mesh, RULE)
-    assert plan[1] == filter_plan(abstract[1], mesh, like(params))
+    plan = filter_shardings(abstract, mesh, (RULE, like(params)))
+    assert plan[0] == filter_shardings(abstract[0], mesh, RULE)
+    assert plan[1] == filter_shardings(abstract[1], mesh, like(params))
     table = describe((model, state), mesh, (RULE, like(params)))
     specs = {row.path: row.spec for row in table.rows}
     assert specs["1.0.mu.layers.0.weight"] == specs["0.layers.0.weight"] != "P()"
@@ -118,7 +127,7 @@ def test_filter_restore_takes_a_tuple_of_rules(tmp_path: Path) -> None:
     eqxshard.filter_save(tmp_path, 0, (model, state))
     other = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
     abstract = eqx.filter_eval_shape(lambda: (make_model(), state))
-    plan = filter_plan(abstract[0], other, RULE)
+    plan = filter_shardings(abstract[0], other, RULE)
     out = eqxshard.filter_restore(tmp_path, abstract, other, (RULE, like(abstract[0], plan)))
     assert out[0].layers[0].weight.sharding.spec == P("data")
     assert out[1][0].mu.layers[0].weight.sharding.spec == P("data")
@@ -159,14 +168,14 @@ def test_a_spec_tree_with_a_mistake_says_what_a_spec_may_be() -> None:
     mesh = make_mesh("auto")
     tree = (make_model(), {"w": jnp.ones(8)})
     words = r"a `spec` is a PartitionSpec, a rule \(`fsdp`.*a callable.*prefix PyTree"
-    with pytest.raises(TypeError, match=rf"(?s)\[1\]\['w'\]\s+spec 'data' is not a.*{words}"):
+    with pytest.raises(TypeError, match=rf"(?s)\n  1\.w\s+spec 'data' is not a.*{words}"):
         filter_shard(tree, mesh, (RULE, {"w": "data"}))
     with pytest.raises(
-        ValueError, match=r"got a `spec` for leaves that are not arrays(?s:.*)\[1\]"
+        ValueError, match=r"got a `spec` for leaves that are not arrays(?s:.*)\n  1"
     ):
         filter_shard((jnp.ones(8), 3), mesh, (RULE, RULE))
     with pytest.raises(ValueError, match=r"`spec` whose structure is not a prefix of `tree`"):
-        filter_plan((jnp.ones(8), jnp.ones(8)), mesh, (RULE, RULE, RULE))
+        filter_shardings((jnp.ones(8), jnp.ones(8)), mesh, (RULE, RULE, RULE))
     with pytest.raises(TypeError, match=r"a rule `spec` was given with target"):
         filter_shard((jnp.ones(8), jnp.ones(8)), jax.devices()[0], (RULE, None))
 

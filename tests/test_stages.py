@@ -1,6 +1,6 @@
 """The `stages` rule: the layer dim of stacked leaves over the stage axis, alone, with
 `path=` in `first(...)`, with `inner` rules for one layer's dims; taken by `filter_shard`,
-`filter_plan`, `filter_init` and `describe`; and its errors."""
+`filter_shardings`, `filter_init` and `describe`; and its errors."""
 
 from __future__ import annotations
 
@@ -53,12 +53,12 @@ def test_path_in_first_with_other_rules(mesh):
 def test_inner_lays_out_one_layer(mesh):
     inner = eqxshard.path_rules([(r".*weight", P("model", None)), (r".*bias", P("model"))])
     rule = eqxshard.stages(path=r"blocks\..*", inner=inner) | P()
-    plan = eqxshard.filter_plan(Model(jax.random.key(0)), mesh, rule)
+    plan = eqxshard.filter_shardings(Model(jax.random.key(0)), mesh, rule)
     assert plan.blocks.weight.spec == P("stage", "model", None)
     assert plan.blocks.bias.spec == P("stage", "model")
     assert plan.embed.spec == P()
     inner_none = eqxshard.stages(inner=lambda path, leaf: None)
-    plan = eqxshard.filter_plan(Model(jax.random.key(0)).blocks, mesh, inner_none)
+    plan = eqxshard.filter_shardings(Model(jax.random.key(0)).blocks, mesh, inner_none)
     assert plan.weight.spec == P("stage")
 
 
@@ -92,7 +92,7 @@ def test_layer_dim_not_divisible(mesh):
 def test_scalar_leaf(mesh):
     with pytest.raises(ValueError, match=r"cannot lay out these leaves with `stages`") as info:
         eqxshard.filter_shard({"w": jnp.ones((8, 2)), "t": jnp.ones(())}, mesh, eqxshard.stages())
-    assert "'t'" in str(info.value) and "'w'" not in str(info.value)
+    assert "\n  t  " in str(info.value) and "\n  w  " not in str(info.value)
 
 
 def test_axis_not_in_mesh(mesh):

@@ -16,7 +16,7 @@ from eqxshard._plans.auto.dimensions.data_fsdp_tensor import factorisations, mes
 from eqxshard._plans.auto.meshes import mesh_for
 from eqxshard._plans.auto.rank import topology
 
-LINKS = eqxshard.LINKS
+LINKS = eqxshard.links.LINKS
 OPTIMIZER = optax.adamw(1e-2)
 BATCH = (jax.ShapeDtypeStruct((16, 128), jnp.float32),) * 2
 

@@ -176,7 +176,7 @@ def test_checkpoint_restored_onto_another_layout(zoo, kind, tmp_path):
     grid = mesh_of(kind, (2, 4), ("data", "model"))
     rule = eqxshard.fsdp("model", min_size=64)
     restored = eqxshard.filter_restore(tmp_path, abstract, grid, rule)
-    plan = eqxshard.filter_plan(abstract, grid, rule)
+    plan = eqxshard.filter_shardings(abstract, grid, rule)
     leaves = jax.tree.leaves(eqx.filter(restored, eqx.is_array))
     shardings = jax.tree.leaves(plan, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     originals = jax.tree.leaves(eqx.filter((model, state), eqx.is_array))

@@ -64,7 +64,7 @@ def step(model, opt_state, batch):
 def plan() -> eqxshard.Plan:
     """The plan of docs/auto_plan.md: four layers on 2 devices, the data, fsdp and model
     axes on slow links, 3.75 MiB per device."""
-    slow = eqxshard.Link(bandwidth=1e8, latency=1e-3)
+    slow = eqxshard.links.Link(bandwidth=1e8, latency=1e-3)
     tokens = (jax.ShapeDtypeStruct((16, 32, 8), jnp.float32),) * 2
     links = {"data": slow, "fsdp": slow, "model": slow}
     options = dict(devices=2, budget="3.75MiB", optimizer=optimizer, links=links)

@@ -14,8 +14,7 @@ import jax
 import numpy as np
 
 from .._pipeline.stacked.stacked import Stacked
-from .._plans.rules import dotted_path
-from .._tree import Flat, leaf_error, pathstr
+from .._tree import Flat, dotted_path, leaf_error
 from .loops import drain_orbax_loops
 
 # (directory, step) of the damaged steps already warned about, so that each is said once.
@@ -168,8 +167,10 @@ def leaf_names(verb: str, flat: Flat, tree: Any = None) -> dict[str, int]:
     names: dict[str, list[int]] = {}
     for i in flat.array_indices:
         names.setdefault(_name(flat.paths[i], orders), []).append(i)
+    # The leaves that share a dotted name are told apart in `keystr`'s form (`['a.b']`,
+    # `['a']['b']`): the one place eqxshard prints a path not dotted.
     clashes = [
-        (name, ", ".join(pathstr(flat.paths[i]) for i in indices))
+        (name, ", ".join(jax.tree_util.keystr(flat.paths[i]) for i in indices))
         for name, indices in names.items()
         if len(indices) > 1
     ]

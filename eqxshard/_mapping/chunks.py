@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .._tree import leaf_table
+from .._tree import leaf_table, pathstr
 from .stream_host import shape_of, streamable
 
 _Axis = int | None
@@ -271,7 +271,7 @@ def vmapped_body(
             raise ValueError(
                 f"`{name}(out_axes=...)` maps outputs that are not arrays or lack that axis:\n"
                 + path_table(
-                    ["out" + jtu.keystr(out_paths[i]) for i in bad],
+                    [pathstr(out_paths[i], "out") for i in bad],
                     [
                         (
                             f"shape {tuple(out_leaves[i].shape)}"
@@ -290,7 +290,7 @@ def vmapped_body(
             for i, (x, a) in enumerate(zip(out_leaves, axes, strict=True))
             if a is None and eqx.is_array(x)
         ]
-        unmapped_paths = ["out" + jtu.keystr(out_paths[i]) for i in unmapped_at]
+        unmapped_paths = [pathstr(out_paths[i], "out") for i in unmapped_at]
         traces.append(Trace(jtu.tree_structure(out), axes, statics, unmapped_paths))
         mapped_out = [x for x, a in zip(out_leaves, axes, strict=True) if a is not None]
         return mapped_out, [out_leaves[i] for i in unmapped_at]

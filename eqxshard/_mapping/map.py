@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .._compat import axis_type_map, is_tracer, traced_sharding
 from .._placement import committed, place
-from .._tree import Flat, Params, T
+from .._tree import Flat, Params, T, pathstr
 from .axis_name import check_axis_name_size, check_no_collectives
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import (
@@ -316,7 +316,7 @@ def rows_and_shards(args: tuple, in_axes: Any, name: str) -> tuple[int, int]:
     ax = {i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", name)) if a is not None}
     if not ax:
         return 1, 1
-    n = check_mapped_leaves(["args" + jtu.keystr(p) for p, _ in flat], leaves, ax, name)
+    n = check_mapped_leaves([pathstr(p, "args") for p, _ in flat], leaves, ax, name)
     counts = [_shard_count(leaves[i], ax[i] % len(leaves[i].shape), n) for i in ax]
     return n, max([c for c in counts if c >= 1 and n % c == 0], default=1)
 
@@ -333,7 +333,7 @@ def run_chunks(
     args: tuple,
 ) -> Any:
     flat, args_def = jtu.tree_flatten_with_path(args)
-    paths = ["args" + jtu.keystr(p) for p, _ in flat]
+    paths = [pathstr(p, "args") for p, _ in flat]
     leaves = [x for _, x in flat]
     check_dtypes(name, paths, leaves)
     in_axes = named_in_axes(fun, in_axes, args, name)

@@ -18,6 +18,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._compat import is_tracer
+from .._tree import pathstr
 from .chunks import (
     IF_ARRAY_0,
     Trace,
@@ -103,7 +104,7 @@ def _run(
     args: tuple[Any, ...],
 ) -> Any:
     flat, args_def = jtu.tree_flatten_with_path(args)
-    paths = ["args" + jtu.keystr(p) for p, _ in flat]
+    paths = [pathstr(p, "args") for p, _ in flat]
     leaves = [x for _, x in flat]
     traced = [p for p, x in zip(paths, leaves, strict=True) if is_tracer(x)]
     if traced:

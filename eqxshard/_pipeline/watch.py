@@ -12,13 +12,13 @@ from typing import Any
 import jax
 
 from .. import _compat
-from .._tree import is_array_like
+from .._tree import is_array_like, pathstr
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class PipelineCall:
     """One call: its stage axis and schedule, the array leaves of its `blocks` by their
-    path in `blocks` (each as it was traced from: see `_compat.traced_origin`), whether
+    path (`blocks.0.weight`) (each as it was traced from: see `_compat.traced_origin`), whether
     `mesh=` was given, and which verb it was."""
 
     axis: str
@@ -56,7 +56,7 @@ def note(
         return
     found = jax.tree_util.tree_flatten_with_path(blocks, is_leaf=is_array_like)[0]
     leaves = tuple(
-        (jax.tree_util.keystr(p), _compat.traced_origin(x)) for p, x in found if is_array_like(x)
+        (pathstr(p, "blocks"), _compat.traced_origin(x)) for p, x in found if is_array_like(x)
     )
     call = PipelineCall(str(axis), microbatches, repeats, leaves, mesh is not None, verb)  # type: ignore[arg-type]
     _WATCHING[-1].append(call)

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
-from .._tree import Flat, leaf_error
+from .._tree import Flat, leaf_error, pathstr
 from . import place
 
 
@@ -65,15 +65,12 @@ def _devices(sharding: Sharding) -> str:
 def check_one_device_set(verb: str, flat: Flat, prefix: str = "") -> None:
     """Raises, naming every committed leaf and its devices, when the committed array leaves
     of `flat` (the arguments of one computation) are not all on the same devices in the same
-    order. `prefix` goes before each leaf path (`"args"` gives `args[1]`)."""
+    order. `prefix` goes before each leaf path (`"args"` gives `args.1`)."""
     committed = [i for i in flat.array_indices if _committed(flat.leaves[i])]
     orders = {_compat.device_assignment(flat.leaves[i].sharding) for i in committed}
     if len(orders) <= 1:
         return
-    rows = [
-        (prefix + jax.tree_util.keystr(flat.paths[i]), _devices(flat.leaves[i].sharding))
-        for i in committed
-    ]
+    rows = [(pathstr(flat.paths[i], prefix), _devices(flat.leaves[i].sharding)) for i in committed]
     raise ValueError(
         leaf_error(
             f"`{verb}` got arrays committed to different devices; one computation takes "

@@ -105,7 +105,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     **Raises:**
 
-    With a `target` or `spec`: the errors of `filter_plan`.
+    With a `target` or `spec`: the errors of `filter_shardings`.
 
     !!! Example
 

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec, Sharding
 from .. import _compat
 from .._placement.targets import RuleError
 from .._tree import Path, is_array_like, leaf_error, pathstr, shape_str
-from .rules import Rule, dotted_path
+from .rules import Rule
 
 
 def _read_spec(x: Any) -> PartitionSpec | None:
@@ -68,9 +68,9 @@ class Like(Rule):
                 leaf_error(
                     "`like` cannot read the layout of these parameters:",
                     unknown,
-                    "Pass their shardings as `plan`, e.g. `like(params, plan=filter_plan(params, "
-                    "mesh, spec))` (inside `jit` on Auto mesh axes, JAX does not say how a traced "
-                    "array is laid out).",
+                    "Pass their shardings as `plan`, e.g. `like(params, "
+                    "plan=filter_shardings(params, mesh, spec))` (inside `jit` on Auto mesh "
+                    "axes, JAX does not say how a traced array is laid out).",
                 )
             )
 
@@ -102,7 +102,7 @@ class Like(Rule):
         raise RuleError(
             f"cannot lay out these leaves like a parameter (and they have {self.min_size} "
             "elements or more, too many to replicate silently):",
-            (repr(dotted_path(path)), f"shape {shape_str(shape)}", detail),
+            (f"shape {shape_str(shape)}", detail),
             "Give them a spec with a rule before `like` (`path_rules([...]) | like(params)`), "
             "or raise `min_size` above their size to replicate them.",
         )
@@ -169,7 +169,7 @@ def _nothing_to_mirror(params: Any, leaves: list[Any]) -> str:
         f"`like` got `params` with no array leaves ({type(params).__name__} with {got}), so "
         "it has no parameter to lay anything out like (every leaf would be left as it is). "
         "`eqx.filter(abstract, eqx.is_array)` drops every `jax.ShapeDtypeStruct` (they are "
-        "not arrays): pass the abstract model itself, `like(abstract, plan=filter_plan("
+        "not arrays): pass the abstract model itself, `like(abstract, plan=filter_shardings("
         "abstract, mesh, spec))`, or filter it with `eqx.filter(abstract, lambda x: "
         "isinstance(x, jax.ShapeDtypeStruct))`."
     )
@@ -218,7 +218,7 @@ def like(params: Any, plan: Any = None, *, min_size: int = 2**14) -> Like:
     - `params`: the parameters the state was made from (the tree passed to
         `optimiser.init`): placed arrays (their own shardings are read), tracers on
         Explicit mesh axes, or `jax.ShapeDtypeStruct`s with a sharding.
-    - `plan`: the parameters' shardings, as from `filter_plan(params, mesh, spec)`; use it
+    - `plan`: the parameters' shardings, as from `filter_shardings(params, mesh, spec)`; use it
         where `params` do not carry their layout (abstract trees; inside `jit` on Auto mesh
         axes). `None` (default) reads each parameter's own sharding.
     - `min_size`: leaves that mirror no parameter are replicated below this many

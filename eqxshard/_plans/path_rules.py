@@ -29,7 +29,7 @@ class PathRules(Rule):
                 problems.append(f"  rule {n}: spec {spec!r} is not a PartitionSpec or None")
                 continue
             try:
-                self.rules.append((re.compile(pattern), spec))
+                self.rules.append((re.compile(_from_keystr(pattern)), spec))
             except (re.error, TypeError) as e:
                 problems.append(f"  rule {n}: pattern {pattern!r} is not a regular expression: {e}")
         if problems:
@@ -69,6 +69,21 @@ class PathRules(Rule):
         return f"path_rules([{rules}])"
 
 
+# A path in jax's `keystr` form (`.layers[0].weight`, `['key']`), as eqxshard printed paths
+# before it printed them dotted: read as that one path, so a path pasted from older output
+# still matches its leaf.
+_KEYSTR = re.compile(r"(?:\.[A-Za-z_]\w*|\[\d+\]|\['[^']*'\]|\[\"[^\"]*\"\])+")
+_KEYSTR_PART = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]|\['([^']*)'\]|\[\"([^\"]*)\"\]")
+
+
+def _from_keystr(pattern: Any) -> Any:
+    """`pattern` itself, or, for a path in `keystr` form, that path dotted and escaped."""
+    if not isinstance(pattern, str) or not _KEYSTR.fullmatch(pattern):
+        return pattern
+    parts = [next(g for g in m.groups() if g is not None) for m in _KEYSTR_PART.finditer(pattern)]
+    return re.escape(".".join(parts))
+
+
 def _catch_all(pattern: re.Pattern) -> bool:
     """A pattern such as `.*` that matches any path: kept as a safeguard, never warned
     about when earlier patterns leave it nothing."""
@@ -83,9 +98,10 @@ def path_rules(
 ) -> PathRules:
     """A rule that gives each leaf the spec of the first pattern its path matches.
 
-    Each leaf's path is written in dotted form (`layers.0.weight`, see `dotted_path`) and
-    matched against the patterns in order with `re.fullmatch` (the whole path must match;
-    write `.*` for "anything"). The first match wins. A leaf that no pattern matches is an
+    Each leaf's path is written in dotted form (`layers.0.weight`, see `dotted_path`: the
+    form errors, `describe` and `auto_plan` print) and matched against the patterns in
+    order with `re.fullmatch` (the whole path must match; write `.*` for "anything"). The
+    first match wins. A leaf that no pattern matches is an
     error listing every such path, unless the rule is followed by another
     (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`. A
     pattern that gives no leaf its spec (it matches no path, or earlier patterns or
@@ -96,7 +112,10 @@ def path_rules(
     **Arguments:**
 
     - `rules`: an ordered list of `(pattern, spec)` pairs (or a dict, in its order):
-        - `pattern`: a regular expression (a string or a compiled `re.Pattern`);
+        - `pattern`: a regular expression (a string or a compiled `re.Pattern`); a
+            string that is a whole path in `jax.tree_util.keystr`'s form
+            (`.layers[0].weight`, `['key']`, as older versions printed paths) stands for
+            that one path (`layers\\.0\\.weight`);
         - `spec`: a `PartitionSpec`, or `None` to leave matching leaves alone.
 
     **Returns:**

@@ -1,6 +1,6 @@
-"""`filter_plan` and `filter_init`: a layout decided before anything is allocated.
+"""`filter_shardings` and `filter_init`: a layout decided before anything is allocated.
 
-`filter_plan` resolves `target`/`spec` exactly as `filter_shard` does (the same checks,
+`filter_shardings` resolves `target`/`spec` exactly as `filter_shard` does (the same checks,
 the same errors) but on any tree, abstract ones included, and returns the shardings
 instead of placing anything. `filter_init` uses that plan as the `out_shardings` of a
 `jit`, so that XLA creates each shard of a new model on its own device.
@@ -24,7 +24,7 @@ from .._tree import Flat, Params, T, is_array_like, leaf_error, pathstr
 def plan_shardings(
     verb: str, tree: Any, target: Any, spec: Any, *, sync: bool = True
 ) -> tuple[Flat, dict[int, Sharding]]:
-    """The plan of `tree`. `sync=False` for verbs that only read the plan (`filter_plan`,
+    """The plan of `tree`. `sync=False` for verbs that only read the plan (`filter_shardings`,
     `describe`): they issue no collective, so one process may call them alone (to log a
     plan on process 0, say); the verbs that act on the plan check it across processes."""
     flat = Flat(tree, is_array=is_array_like)
@@ -33,7 +33,7 @@ def plan_shardings(
     return flat, resolve.resolve(verb, flat, target, spec, sync=sync)
 
 
-def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
+def filter_shardings(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
     """The sharding each array leaf of `tree` would get from `filter_shard(tree, target, spec)`.
 
     Nothing is placed or allocated: `tree` may be abstract (`jax.ShapeDtypeStruct`
@@ -69,11 +69,11 @@ def filter_plan(tree: PyTree, target: Any = None, spec: Any = None) -> PyTree:
         mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
         key = jax.random.key(0)
         abstract = eqx.filter_eval_shape(lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key), key)
-        plan = eqxshard.filter_plan(abstract, mesh, eqxshard.fsdp("data", min_size=0))
+        plan = eqxshard.filter_shardings(abstract, mesh, eqxshard.fsdp("data", min_size=0))
         plan.layers[0].weight  # NamedSharding(mesh, P("data", None))
         ```
     """
-    flat, shardings = plan_shardings("filter_plan", tree, target, spec, sync=False)
+    flat, shardings = plan_shardings("filter_shardings", tree, target, spec, sync=False)
     return flat.rebuild({i: shardings.get(i) for i in range(len(flat.leaves))})
 
 
@@ -102,8 +102,9 @@ def _check_devices_known(flat: Flat, shardings: dict[int, Sharding]) -> None:
             leaf_error(
                 "`filter_init` cannot create these leaves on an AbstractMesh: it has no devices.",
                 rows,
-                "Pass a concrete `jax.sharding.Mesh` (e.g. from `jax.make_mesh`); `filter_plan` "
-                "gives the layouts on an AbstractMesh without creating anything.",
+                "Pass a concrete `jax.sharding.Mesh` (e.g. from `jax.make_mesh`); "
+                "`filter_shardings` gives the layouts on an AbstractMesh without creating "
+                "anything.",
             )
         )
 
@@ -171,7 +172,7 @@ def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -
     `filter_init(fn, mesh, spec)(*args)` returns what `fn(*args)` returns, with every array
     leaf laid out as `filter_shard(..., mesh, spec)` would lay it out, but without ever
     creating a whole leaf on one device: the output's shapes are found with
-    `eqx.filter_eval_shape`, its shardings with `filter_plan`, and `fn` runs under
+    `eqx.filter_eval_shape`, its shardings with `filter_shardings`, and `fn` runs under
     `jax.jit` with those `out_shardings`, so XLA computes each shard on its own device.
     Use it to build a model too large for one device. Non-array leaves of the result
     (activation functions, static fields) come from the abstract tree. Where `target` is
@@ -198,7 +199,7 @@ def filter_init(fn: Callable[Params, T], target: Any = None, spec: Any = None) -
 
     **Raises:**
 
-    The errors of `filter_plan`, raised before `fn` runs on any device; `TypeError` if
+    The errors of `filter_shardings`, raised before `fn` runs on any device; `TypeError` if
     `fn` is not callable; `ValueError` if a leaf's layout is on an `AbstractMesh`, which
     has no devices to create it on.
 

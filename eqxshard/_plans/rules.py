@@ -1,6 +1,6 @@
 """Sharding rules: say how a whole model is laid out, not leaf by leaf.
 
-A rule is accepted anywhere a `spec` is (`filter_shard(model, mesh, rule)`, `filter_plan`,
+A rule is accepted anywhere a `spec` is (`filter_shard(model, mesh, rule)`, `filter_shardings`,
 `describe`, `filter_init`). `_placement.resolve` calls its `spec_for(path, leaf, mesh)` on
 each array leaf, with that leaf's mesh. Rules here:
 
@@ -23,7 +23,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from .. import _compat
 from .._placement import spec_tree
 from .._placement.targets import RuleError
-from .._tree import Path, shape_str
+from .._tree import Path, dotted_path as dotted_path, pathstr, shape_str
 
 
 class _NoMatch:
@@ -36,42 +36,12 @@ NO_MATCH: Any = _NoMatch()
 rule of a `first(...)` is asked (`None` means "leave this leaf alone")."""
 
 
-def dotted_path(path: Path) -> str:
-    """A leaf's key path in the form rules match against: `layers.0.weight`.
-
-    Attribute names (`GetAttrKey`), sequence indices (`SequenceKey`) and dict keys
-    (`DictKey`, written with `str`) joined by dots; the whole tree (a leaf at the root)
-    is the empty string. `describe` prints paths in this form, so its table shows what to
-    write in `path_rules`.
-
-    **Arguments:**
-
-    - `path`: a key path, as from `jax.tree_util.tree_flatten_with_path`.
-
-    **Returns:**
-
-    The path as a string, e.g. `dotted_path((GetAttrKey("layers"), SequenceKey(0),
-    GetAttrKey("weight"))) == "layers.0.weight"`.
-    """
-    parts = []
-    for key in path:
-        if isinstance(key, jax.tree_util.GetAttrKey):
-            parts.append(key.name)
-        elif isinstance(key, jax.tree_util.SequenceKey):
-            parts.append(str(key.idx))
-        elif isinstance(key, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
-            parts.append(str(key.key))
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
-
-
 class Rule:
     """A sharding rule: gives each array leaf a `PartitionSpec` from its path, shape and mesh.
 
     Build rules with `path_rules`, `fsdp`, `logical`, `like` and `first` (or `a | b`); pass
-    one (alone or in a prefix PyTree) as the `spec` of `filter_shard`, `filter_plan`, `describe`,
-    `filter_init` or `filter_restore`.
+    one (alone or in a prefix PyTree) as the `spec` of `filter_shard`, `filter_shardings`,
+    `describe`, `filter_init` or `filter_restore`.
 
     To write your own, subclass `Rule` and define `match(path, leaf, mesh)` returning a
     `PartitionSpec`, `None` (leave the leaf alone) or `NO_MATCH` (let the next rule of a
@@ -91,7 +61,7 @@ class Rule:
         if spec is NO_MATCH:
             raise RuleError(
                 "has no rule that matches these leaves:",
-                (repr(dotted_path(path)), f"shape {shape_str(leaf.shape)}"),
+                (f"shape {shape_str(leaf.shape)}",),
                 self.no_match_fix,
             )
         return spec
@@ -151,7 +121,7 @@ class _Prefix(Rule):
         entries = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
         bad = [(p, x) for p, x in entries if not is_leaf(x)]
         if bad:
-            rows = "\n".join(f"  {dotted_path(p)!r}: {type(x).__name__}" for p, x in bad)
+            rows = "\n".join(f"  {pathstr(p)}: {type(x).__name__}" for p, x in bad)
             raise TypeError(
                 f"`{verb}` takes rules, `PartitionSpec`s, `None`, callables or spec trees; a spec "
                 "tree must have one of these at every leaf, but got (path: type):"

@@ -114,7 +114,7 @@ def _outputs(wrapper: Any, lowered: Any, compiled: Any) -> list:
             abstract, config.out_shardings, mesh=config.mesh, argname="out_shardings"
         )
     got = jax.tree_util.tree_leaves(compiled.output_shardings)
-    return _rows(flat, asked, got, lambda path: "out" + pathstr(path).replace("<root>", ""))
+    return _rows(flat, asked, got, lambda path: pathstr(path, "out"))
 
 
 def _rows(flat: Flat, asked: dict[int, Any], got: list, name: Callable[[Any], str]) -> list:

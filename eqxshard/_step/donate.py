@@ -89,7 +89,7 @@ def _by_filter(
                 continue
             value = donate(x)
             if not isinstance(value, (bool, np.bool_)):
-                bad.append((name + pathstr(path), f"returned {type(value).__name__} {value!r}"))
+                bad.append((pathstr(path, name), f"returned {type(value).__name__} {value!r}"))
                 value = False
             flags.append(bool(value))
         out.append(flags)
@@ -134,7 +134,7 @@ def deleted_inputs(fun: Any, args: tuple, kwargs: dict) -> ValueError | None:
     for name, tree in (("<fun>", fun), ("", args), ("<kwargs>", kwargs)):
         for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
             if isinstance(x, jax.Array) and not is_tracer(x) and x.is_deleted():
-                rows.append((name + pathstr(path), f"shape {x.shape}", "deleted"))
+                rows.append((pathstr(path, name), f"shape {x.shape}", "deleted"))
     if not rows:
         return None
     return ValueError(

@@ -116,7 +116,7 @@ def filter_jit(
         (after binding keywords to their parameters), each a prefix tree of that
         argument. (The arrays of `fun` itself, a bound module's, are left as they are.)
         A layout is any form `filter_shard` takes as a `target` or a `spec`:
-        - a `jax.sharding.Sharding` (e.g. from `filter_plan`, whose trees fit as they
+        - a `jax.sharding.Sharding` (e.g. from `filter_shardings`, whose trees fit as they
             are) or a `jax.Device`;
         - a `Mesh`: replicated on it;
         - a `PartitionSpec`, or a rule (`fsdp`, `path_rules`, `logical`, `like(params)`,

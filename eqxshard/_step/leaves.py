@@ -102,6 +102,6 @@ def hashable_key(key: Any, flat: Flat) -> Any:
 
 
 def call_path(path: Any) -> str:
-    """A path into a call's `(fun, args, kwargs)` as users name it: `args[0].weight`."""
+    """A path into a call's `(fun, args, kwargs)` as users name it: `args.0.weight`."""
     part, rest = path[0].idx, path[1:]
-    return ("fun", "args", "kwargs")[part] + pathstr(rest).replace("<root>", "")
+    return pathstr(rest, ("fun", "args", "kwargs")[part])

@@ -55,7 +55,7 @@ def _on_mesh(x: Any) -> Any:
 _SHARD = "filter_shard"
 _STR = np.array(["a", "b"])
 _OBJ = np.array([1, "x"], dtype=object)
-_DTYPE = r"dtype JAX has no arrays of:\n  \['bad'\]"
+_DTYPE = r"dtype JAX has no arrays of:\n  bad"
 
 CASES: list[Case] = [
     # ---- filter_shard: specs against the mesh
@@ -63,68 +63,68 @@ CASES: list[Case] = [
         "filter_shard/indivisible",
         lambda: eqxshard.filter_shard({"w": jnp.ones((3, 4))}, _mesh, P("data")),
         ValueError,
-        r"\['w'\]",
+        r"\n  w",
     ),
     Case(
         "filter_shard/indivisible-2-axes",
         lambda: eqxshard.filter_shard({"w": jnp.ones((12, 4))}, _mesh, P(("data", "model"))),
         ValueError,
-        r"\['w'\].*not divisible by 8",
+        r"\n  w.*not divisible by 8",
     ),
     Case(
         "filter_shard/spec-too-long",
         lambda: eqxshard.filter_shard({"w": jnp.ones(8)}, _mesh, P("data", None)),
         ValueError,
-        r"\['w'\]  shape \(8,\)",
+        r"\n  w  shape \(8,\)",
     ),
     Case(
         "filter_shard/spec-on-scalar",
         lambda: eqxshard.filter_shard({"s": jnp.float32(1)}, _mesh, P("data")),
         ValueError,
-        r"\['s'\]  shape \(\)",
+        r"\n  s  shape \(\)",
     ),
     Case(
         "filter_shard/spec-on-prng-key",
         lambda: eqxshard.filter_shard({"k": jax.random.key(0)}, _mesh, P("data")),
         ValueError,
-        r"\['k'\]  shape \(\)",
+        r"\n  k  shape \(\)",
     ),
     Case(
         "filter_shard/unknown-axis",
         lambda: eqxshard.filter_shard(_w(), _mesh, P("batch")),
         ValueError,
-        r"\['w'\]  spec P\('batch',\)",
+        r"\n  w  spec P\('batch',\)",
     ),
     Case(
         "filter_shard/unknown-axis-in-tuple",
         lambda: eqxshard.filter_shard(_w(), _mesh, P(("data", "x"))),
         ValueError,
-        r"\['w'\].*axes \['x'\] not in mesh",
+        r"\n  w.*axes \['x'\] not in mesh",
     ),
     Case(
         "filter_shard/axis-twice",
         lambda: eqxshard.filter_shard(_w(), _mesh, P("data", "data")),
         ValueError,
-        r"\['w'\].*used more than once",
+        r"\n  w.*used more than once",
     ),
     Case(
         "filter_shard/axis-twice-in-tuple",
         lambda: eqxshard.filter_shard(_w(), _mesh, P(("model", "model"))),
         ValueError,
-        r"\['w'\].*\['model'\] used more than once",
+        r"\n  w.*\['model'\] used more than once",
     ),
     # ---- filter_shard: wrong types of `target` / `spec`
     Case(
         "filter_shard/spec-int",
         lambda: eqxshard.filter_shard(_w(), _mesh, 3),
         TypeError,
-        r"`target`/`spec`.*\n  \['w'\]  spec 3",
+        r"`target`/`spec`.*\n  w  spec 3",
     ),
     Case(
         "filter_shard/spec-str",
         lambda: eqxshard.filter_shard(_w(), _mesh, "data"),
         TypeError,
-        r"\['w'\]  spec 'data' is not a PartitionSpec",
+        r"\n  w  spec 'data' is not a PartitionSpec",
     ),
     Case(
         "filter_shard/spec-tuple-not-P",
@@ -136,13 +136,13 @@ CASES: list[Case] = [
         "filter_shard/target-int",
         lambda: eqxshard.filter_shard(_w(), 3),
         TypeError,
-        r"\['w'\]  target 3 of type int",
+        r"\n  w  target 3 of type int",
     ),
     Case(
         "filter_shard/target-backend-name",
         lambda: eqxshard.filter_shard(_w(), "cpu"),
         TypeError,
-        r"\['w'\]  target 'cpu'",
+        r"\n  w  target 'cpu'",
     ),
     Case(
         "filter_shard/target-device-list",
@@ -154,31 +154,31 @@ CASES: list[Case] = [
         "filter_shard/partitionspec-target-and-spec",
         lambda: eqxshard.filter_shard(_w(), P("data"), P("model")),
         TypeError,
-        r"\['w'\]  a PartitionSpec target and a `spec`",
+        r"\n  w  a PartitionSpec target and a `spec`",
     ),
     Case(
         "filter_shard/device-target-and-spec",
         lambda: eqxshard.filter_shard(_w(), _cpu0, P("data")),
         TypeError,
-        r"\['w'\]  a `spec` was given with target",
+        r"\n  w  a `spec` was given with target",
     ),
     Case(
         "filter_shard/sharding-target-and-spec",
         lambda: eqxshard.filter_shard(_w(), NamedSharding(_mesh, P()), P("data")),
         TypeError,
-        r"\['w'\]  a `spec` was given with target NamedSharding",
+        r"\n  w  a `spec` was given with target NamedSharding",
     ),
     Case(
         "filter_shard/rule-with-device-target",
         lambda: eqxshard.filter_shard(_w(), _cpu0, eqxshard.fsdp("data")),
         TypeError,
-        r"\['w'\]  a rule `spec`",
+        r"\n  w  a rule `spec`",
     ),
     Case(
         "filter_shard/callable-spec-returns-int",
         lambda: eqxshard.filter_shard(_w(), _mesh, lambda path, x: 0),
         TypeError,
-        r"\['w'\]  spec 0 is not a PartitionSpec",
+        r"\n  w  spec 0 is not a PartitionSpec",
     ),
     Case(
         "filter_shard/target-tree-not-prefix",
@@ -196,7 +196,7 @@ CASES: list[Case] = [
         "filter_shard/spec-for-static-leaf",
         lambda: eqxshard.filter_shard(_w(), _mesh, {"w": P(), "act": P(), "n": None}),
         ValueError,
-        r"`spec` for leaves that are not arrays:\n  \['act'\]",
+        r"`spec` for leaves that are not arrays:\n  act",
     ),
     Case(
         "filter_shard/process-local-not-bool",
@@ -214,38 +214,38 @@ CASES: list[Case] = [
         "filter_shard/process-local-device-target",
         lambda: eqxshard.filter_shard(_w(), _cpu0, process_local=True),
         ValueError,
-        r"`process_local=True`.*\n  \['w'\]  target is a SingleDeviceSharding",
+        r"`process_local=True`.*\n  w  target is a SingleDeviceSharding",
     ),
     # ---- filter_shard: no mesh
     Case(
         "filter_shard/partitionspec-target-no-mesh",
         lambda: eqxshard.filter_shard(_w(), P("data")),
         ValueError,
-        r"PartitionSpec but no mesh is set.*\n  \['w'\]",
+        r"PartitionSpec but no mesh is set.*\n  w",
     ),
     Case(
         "filter_shard/spec-no-target-no-mesh",
         lambda: eqxshard.filter_shard(_w(), spec=P("data")),
         ValueError,
-        r"no mesh is set.*\n  \['w'\]  spec P\('data',\)",
+        r"no mesh is set.*\n  w  spec P\('data',\)",
     ),
     Case(
         "filter_shard/no-target-no-mesh",
         lambda: eqxshard.filter_shard(_w()),
         ValueError,
-        r"no `target` and no mesh is set.*\n  \['w'\]",
+        r"no `target` and no mesh is set.*\n  w",
     ),
     Case(
         "filter_shard/ambient-mesh-unknown-axis",
         _with_mesh(_mesh, lambda: eqxshard.filter_shard(_w(), P("batch"))),
         ValueError,
-        r"\['w'\]  spec P\('batch',\)",
+        r"\n  w  spec P\('batch',\)",
     ),
     Case(
         "filter_shard/ambient-mesh-indivisible",
         _with_mesh(_mesh, lambda: eqxshard.filter_shard({"w": jnp.ones(6)}, spec=P("model"))),
         ValueError,
-        r"\['w'\]  shape \(6,\)",
+        r"\n  w  shape \(6,\)",
     ),
     # ---- filter_shard: leaves JAX has no arrays of
     Case(
@@ -295,25 +295,25 @@ CASES: list[Case] = [
         "jit/filter_shard/indivisible",
         _jit(lambda t: eqxshard.filter_shard(t, _mesh, P("model")), {"w": jnp.ones(6)}),
         ValueError,
-        r"\['w'\]  shape \(6,\)",
+        r"\n  w  shape \(6,\)",
     ),
     Case(
         "jit/filter_shard/unknown-axis",
         _jit(lambda t: eqxshard.filter_shard(t, _auto, P("x")), {"w": jnp.ones(8)}),
         ValueError,
-        r"\['w'\]  spec P\('x',\)",
+        r"\n  w  spec P\('x',\)",
     ),
     Case(
         "jit/filter_shard/no-target-no-mesh",
         _jit(eqxshard.filter_shard, {"w": jnp.ones(8)}),
         ValueError,
-        r"no `target` and no mesh is set.*\n  \['w'\]",
+        r"no `target` and no mesh is set.*\n  w",
     ),
     Case(
         "jit/filter_shard/other-device-set",
         _jit(lambda t: eqxshard.filter_shard(t, _mesh4, P("data")), {"w": _on_mesh(jnp.ones(8))}),
         ValueError,
-        r"another device set inside `jit`:\n  \['w'\]",
+        r"another device set inside `jit`:\n  w",
     ),
     Case(
         "jit/filter_shard/process-local",
@@ -321,7 +321,7 @@ CASES: list[Case] = [
             lambda t: eqxshard.filter_shard(t, _mesh, P(), process_local=True), {"w": jnp.ones(8)}
         ),
         ValueError,
-        r"`process_local=True`.*\n  \['w'\]  is traced",
+        r"`process_local=True`.*\n  w  is traced",
     ),
     Case(
         "jit/filter_shard/host-str-array-constant",
@@ -358,7 +358,7 @@ CASES: list[Case] = [
         "filter_replicate/no-mesh",
         lambda: eqxshard.filter_replicate(_w()),
         ValueError,
-        r"no `mesh` and no mesh is set.*\n  \['w'\]",
+        r"no `mesh` and no mesh is set.*\n  w",
     ),
     Case(
         "filter_replicate/str-array",
@@ -370,13 +370,13 @@ CASES: list[Case] = [
         "jit/filter_replicate/no-mesh",
         _jit(eqxshard.filter_replicate, {"w": jnp.ones(8)}),
         ValueError,
-        r"no `mesh` and no mesh is set.*\n  \['w'\]",
+        r"no `mesh` and no mesh is set.*\n  w",
     ),
     Case(
         "jit/filter_replicate/other-device-set",
         _jit(lambda t: eqxshard.filter_replicate(t, _mesh4), {"w": _on_mesh(jnp.ones(8))}),
         ValueError,
-        r"\['w'\]  lives on 8",
+        r"\n  w  lives on 8",
     ),
     # ---- filter_put
     Case(
@@ -395,19 +395,19 @@ CASES: list[Case] = [
         "filter_put/memory-kind-unknown",
         lambda: eqxshard.filter_put(_w(), memory_kind="hbm"),
         ValueError,
-        r"memory_kind='hbm'.*\n  \['w'\]",
+        r"memory_kind='hbm'.*\n  w",
     ),
     Case(
         "filter_put/memory-kind-empty",
         lambda: eqxshard.filter_put(_w(), _cpu0, memory_kind=""),
         ValueError,
-        r"memory_kind=''.*\n  \['w'\]",
+        r"memory_kind=''.*\n  w",
     ),
     Case(
         "filter_put/memory-kind-wrong-case",
         lambda: eqxshard.filter_put(_w(), _mesh, memory_kind="Pinned_Host"),
         ValueError,
-        r"memory_kind='Pinned_Host'.*\n  \['w'\]",
+        r"memory_kind='Pinned_Host'.*\n  w",
     ),
     Case(
         "filter_put/unknown-backend",
@@ -425,19 +425,19 @@ CASES: list[Case] = [
         "filter_put/target-int",
         lambda: eqxshard.filter_put(_w(), 0),
         TypeError,
-        r"\['w'\]  target 0 of type int",
+        r"\n  w  target 0 of type int",
     ),
     Case(
         "filter_put/target-float",
         lambda: eqxshard.filter_put(_w(), 1.5),
         TypeError,
-        r"\['w'\]  target 1.5 of type float",
+        r"\n  w  target 1.5 of type float",
     ),
     Case(
         "filter_put/partitionspec-no-mesh",
         lambda: eqxshard.filter_put(_w(), P("data")),
         ValueError,
-        r"no mesh is set.*\n  \['w'\]",
+        r"no mesh is set.*\n  w",
     ),
     Case(
         "filter_put/target-tree-not-prefix",
@@ -467,44 +467,44 @@ CASES: list[Case] = [
         "jit/filter_put/to-device",
         _jit(lambda t: eqxshard.filter_put(t, _cpu0), {"w": jnp.ones(8)}),
         ValueError,
-        r"traced leaves to a device inside `jit`:\n  \['w'\]",
+        r"traced leaves to a device inside `jit`:\n  w",
     ),
     Case(
         "jit/filter_put/to-single-device-sharding",
         _jit(lambda t: eqxshard.filter_put(t, SingleDeviceSharding(_cpu0)), {"w": jnp.ones(8)}),
         ValueError,
-        r"\['w'\]  asked for SingleDeviceSharding",
+        r"\n  w  asked for SingleDeviceSharding",
     ),
     Case(
         "jit/filter_put/unknown-memory-kind",
         _jit(lambda t: eqxshard.filter_put(t, memory_kind="hbm"), {"w": jnp.ones(8)}),
         ValueError,
-        r"memory_kind='hbm'.*\n  \['w'\]",
+        r"memory_kind='hbm'.*\n  w",
     ),
     # ---- filter_get: inside transformations there is no value to fetch
     Case(
         "jit/filter_get",
         _jit(eqxshard.filter_get, {"w": jnp.ones(8)}),
         TypeError,
-        r"cannot fetch traced leaves.*\n  \['w'\]",
+        r"cannot fetch traced leaves.*\n  w",
     ),
     Case(
         "vmap/filter_get",
         lambda: jax.vmap(lambda x: eqxshard.filter_get({"row": x}))(jnp.ones((2, 3))),
         TypeError,
-        r"\['row'\]",
+        r"\n  row",
     ),
     Case(
         "grad/filter_get",
         lambda: jax.grad(lambda x: eqxshard.filter_get({"x": x})["x"])(1.0),
         TypeError,
-        r"\['x'\]",
+        r"\n  x",
     ),
     Case(
         "eval_shape/filter_get",
         lambda: jax.eval_shape(lambda x: eqxshard.filter_get([x]), jnp.ones(3)),
         TypeError,
-        r"\[0\]",
+        r"\n  0",
     ),
     # ---- an AbstractMesh outside `jit`: no devices to place on (was JAX's "must be a
     # `NamedSharding`" TypeError, naming no leaf)
@@ -512,7 +512,7 @@ CASES: list[Case] = [
         "filter_shard/abstract-mesh-eager",
         lambda: eqxshard.filter_shard(_w(), AbstractMesh((2, 4), ("data", "model")), P("data")),
         ValueError,
-        r"on an AbstractMesh outside `jit`: it has no devices.\n  \['w'\]",
+        r"on an AbstractMesh outside `jit`: it has no devices.\n  w",
     ),
     Case(
         "filter_replicate/abstract-mesh-eager",
@@ -526,7 +526,7 @@ CASES: list[Case] = [
             {"x": jnp.ones(8)}, NamedSharding(AbstractMesh((8,), ("data",)), P("data"))
         ),
         ValueError,
-        r"(?s)`filter_put` cannot place .*AbstractMesh.*\n  \['x'\].*concrete `jax.sharding.Mesh`",
+        r"(?s)`filter_put` cannot place .*AbstractMesh.*\n  x.*concrete `jax.sharding.Mesh`",
     ),
     # ---- inside `jit`, an AbstractMesh of the set mesh's axes but other axis types (was
     # JAX's bare AssertionError from `with_sharding_constraint`)
@@ -537,7 +537,7 @@ CASES: list[Case] = [
         ),
         ValueError,
         r"(?s)AbstractMesh whose axes are those of the mesh set.*\(data: Explicit\).*"
-        r"\n  \['x'\]  axis types \(data: Auto\)",
+        r"\n  x  axis types \(data: Auto\)",
     ),
 ]
 

@@ -76,7 +76,7 @@ def as_numpy(tree: Any) -> dict[str, np.ndarray]:
             leaf = np.asarray(leaf)
             if leaf.dtype == jnp.bfloat16:  # `.npz` cannot hold bfloat16: keep its bits
                 leaf = leaf.view(np.uint16)
-            out[eqxshard.dotted_path(path)] = leaf
+            out[eqxshard.rules.dotted_path(path)] = leaf
     return out
 
 
@@ -97,7 +97,7 @@ def check_layout(tree: Any, mesh: Any, specs: dict[str, P], what: str) -> None:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         if not eqx.is_array(leaf):
             continue
-        name = eqxshard.dotted_path(path)
+        name = eqxshard.rules.dotted_path(path)
         wanted = NamedSharding(mesh, specs[name])
         ndim = len(leaf.shape)
         check(

@@ -64,9 +64,11 @@ def check_pipeline(mesh: Any, xspec: P, repeats: int) -> None:
     w = blocks["w"]
     check(isinstance(w, jax.Array) and not w.is_fully_addressable, "the stack spans processes")
 
+    schedule = "gpipe" if repeats == 1 else "circular"
+
     def pipe(blocks: Any, x: Any) -> Any:
         return eqxshard.filter_pipeline(
-            layer, blocks, x, mesh=mesh, microbatches=8, repeats=repeats
+            layer, blocks, x, mesh=mesh, microbatches=8, schedule=schedule, repeats=repeats
         )
 
     out = eqxshard.filter_get(jax.jit(pipe)(blocks, x))

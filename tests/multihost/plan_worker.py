@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from worker_common import LOCAL_DEVICES, check, join, run_scenarios
 
 import eqxshard
-from eqxshard import describe, filter_init, filter_plan, fsdp, like, path_rules
+from eqxshard import describe, filter_init, filter_shardings, fsdp, like, path_rules
 
 SCENARIOS: dict[str, Callable[[int], None]] = {}
 
@@ -84,7 +84,7 @@ def init_optimizer_state_like_params(process: int) -> None:
 def plan_and_describe_count_every_device(process: int) -> None:
     mesh = global_mesh(AxisType.Auto)
     abstract = eqx.filter_eval_shape(make_model, jax.random.key(0))
-    plan = filter_plan(abstract, mesh, fsdp("data", min_size=0))
+    plan = filter_shardings(abstract, mesh, fsdp("data", min_size=0))
     check(plan.layers[0].weight.spec == P("data"), str(plan.layers[0].weight))
     table = describe(abstract, mesh, fsdp("data", min_size=0))
     check(len(table.bytes_per_device) == 8, f"{len(table.bytes_per_device)} devices")

@@ -59,7 +59,7 @@ def main() -> int:
     for name in restore:
         restored = eqxshard.filter_restore(Path(workdir) / name, like, mesh, rule, step=1)
         for key, leaf in restored.items():
-            want = eqxshard.filter_plan(like, mesh, rule)[key]
+            want = eqxshard.filter_shardings(like, mesh, rule)[key]
             if not leaf.sharding.is_equivalent_to(want, leaf.ndim):
                 raise AssertionError(f"{key}: sharding {leaf.sharding}, planned {want}")
             whole = np.asarray(expected[key])  # "step" is a NumPy scalar

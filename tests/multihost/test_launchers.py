@@ -295,7 +295,7 @@ def test_checkpoint_of_several_processes_restores_in_one(resized, name):
     expected = resize.make_tree()
     like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), expected)
     restored = eqxshard.filter_restore(workdir / name, like, mesh, rule, step=1)
-    plan = eqxshard.filter_plan(like, mesh, rule)
+    plan = eqxshard.filter_shardings(like, mesh, rule)
     for key, leaf in restored.items():
         assert leaf.sharding.is_equivalent_to(plan[key], leaf.ndim)
         assert leaf.dtype == expected[key].dtype

@@ -355,8 +355,8 @@ def process_local_different_shapes_raise(process: int) -> None:
     }
     message = raises(
         lambda: eqxshard.filter_shard(tree, mesh, P("data"), process_local=True),
-        ["process_local=True", "['rows']", "['rank']", "(8, 3)", "(16, 3)", "(8, 2, 1)"],
-        absent=["['same']"],
+        ["process_local=True", "\n  rows", "\n  rank", "(8, 3)", "(16, 3)", "(8, 2, 1)"],
+        absent=["\n  same"],
     )
     check("process 1" in message, f"the error does not say which process:\n{message}")
 
@@ -388,13 +388,13 @@ def different_data_as_replicated_raises(process: int) -> None:
     }
     raises(
         lambda: eqxshard.filter_shard(tree, mesh),
-        ["different data on different processes", "['differs']", "['committed']", "[1]"],
-        absent=["['same']", "['static']"],
+        ["different data on different processes", "\n  differs", "\n  committed", "[1]"],
+        absent=["\n  same", "\n  static"],
     )
     raises(
         lambda: eqxshard.filter_replicate(tree, mesh),
-        ["filter_replicate", "['differs']", "['committed']"],
-        absent=["['same']"],
+        ["filter_replicate", "\n  differs", "\n  committed"],
+        absent=["\n  same"],
     )
 
 
@@ -404,11 +404,11 @@ def different_data_as_sharded_raises(process: int) -> None:
     tree = {"w": np.ones((8, 4), np.float32), "b": np.full((8,), float(process), np.float32)}
     raises(
         lambda: eqxshard.filter_shard(tree, mesh, P("data")),
-        ["different data on different processes", "['b']", "check_consistent=False"],
-        absent=["['w']"],
+        ["different data on different processes", "\n  b", "check_consistent=False"],
+        absent=["\n  w"],
     )
     sharding = NamedSharding(mesh, P("model"))
-    raises(lambda: eqxshard.filter_put(tree, sharding), ["filter_put", "['b']"])
+    raises(lambda: eqxshard.filter_put(tree, sharding), ["filter_put", "\n  b"])
 
 
 @scenario("consistency")
@@ -420,15 +420,15 @@ def different_shapes_or_dtypes_raise(process: int) -> None:
     tree = {"x": np.zeros((rows, 3), np.float32), "ok": np.zeros(8, np.float32)}
     raises(
         lambda: eqxshard.filter_shard(tree, mesh, P("data")),
-        ["different shapes on different processes", "['x']", "process 0: (8, 3)", "(7, 3)"],
-        absent=["['ok']", "divisible"],
+        ["different shapes on different processes", "\n  x", "process 0: (8, 3)", "(7, 3)"],
+        absent=["\n  ok", "divisible"],
     )
     dtype = np.float32 if process == 0 else np.int32  # the same bytes: zeros
     tree = {"x": np.zeros((8, 3), dtype), "ok": np.zeros(8, np.float32)}
     raises(
         lambda: eqxshard.filter_shard(tree, mesh, P("data")),
-        ["different dtypes on different processes", "['x']", "float32 (8, 3)", "int32 (8, 3)"],
-        absent=["['ok']"],
+        ["different dtypes on different processes", "\n  x", "float32 (8, 3)", "int32 (8, 3)"],
+        absent=["\n  ok"],
     )
 
 
@@ -436,7 +436,7 @@ def different_shapes_or_dtypes_raise(process: int) -> None:
 def different_keys_raise(process: int) -> None:
     mesh = make_mesh((8,), ("data",), AxisType.Explicit)
     tree = {"key": jax.random.key(process)}
-    raises(lambda: eqxshard.filter_shard(tree, mesh), ["['key']"])
+    raises(lambda: eqxshard.filter_shard(tree, mesh), ["\n  key"])
 
 
 @scenario("consistency")
@@ -447,7 +447,7 @@ def check_consistent_false_skips_the_check(process: int) -> None:
     out = eqxshard.filter_shard({"x": mine}, mesh, P("data"), check_consistent=False)
     # Rows 0-7 live on process 0's devices, rows 8-15 on process 1's.
     expected = np.concatenate([np.arange(8.0), np.arange(8.0, 16.0) + 100.0]).astype(np.float32)
-    check_global(out["x"], mesh, P("data"), expected, "['x']")
+    check_global(out["x"], mesh, P("data"), expected, "\n  x")
 
 
 # ---------------------------------------------------------------- inside `jax.jit`

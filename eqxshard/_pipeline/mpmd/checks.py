@@ -48,7 +48,7 @@ def check_concrete(verb: str, **trees: Any) -> None:
     for name, tree in trees.items():
         flat = Flat(tree)
         rows += [
-            (f"{name}{pathstr(flat.paths[i])}", type(flat.leaves[i]).__name__)
+            (pathstr(flat.paths[i], name), type(flat.leaves[i]).__name__)
             for i in flat.array_indices
             if _compat.is_tracer(flat.leaves[i])
         ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -94,6 +95,49 @@ def run_pipeline(
     return jax.tree.map(join, mapped(weights, jax.tree.map(cut, x)))
 
 
+SCHEDULES = ("gpipe", "circular")
+
+
+def _repeats(schedule: object, repeats: Any) -> int:
+    """The chunks per stage that `schedule` and `repeats` ask for; a `repeats` that is not
+    a positive int is returned as it is, for `checks.check_counts` to name."""
+    counted = isinstance(repeats, int) and not isinstance(repeats, bool)
+    if schedule is None:
+        if counted and repeats > 1:
+            warnings.warn(
+                f"`{_VERB}(repeats={repeats})` without `schedule`: pass "
+                f'`schedule="circular", repeats={repeats}` (the circular schedule, as before).',
+                DeprecationWarning,
+                stacklevel=3,
+            )
+        return 1 if repeats is None else repeats
+    if not isinstance(schedule, str):
+        raise TypeError(
+            f"`{_VERB}` takes `schedule` as one of {', '.join(map(repr, SCHEDULES))}, but got "
+            f"{type(schedule).__name__}."
+        )
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"`{_VERB}` got `schedule={schedule!r}`; the schedules are "
+            f"{', '.join(map(repr, SCHEDULES))}."
+        )
+    if schedule == "gpipe":
+        if counted and repeats > 1:
+            raise ValueError(
+                f'`{_VERB}` got `schedule="gpipe"` with `repeats={repeats}`: GPipe holds one '
+                f'chunk of layers per stage. Pass `schedule="circular", repeats={repeats}` '
+                "for the circular schedule, or drop `repeats`."
+            )
+        return 1 if repeats is None else repeats
+    if repeats is None or (counted and repeats < 2):
+        raise ValueError(
+            f'`{_VERB}` got `schedule="circular"` with `repeats={repeats}`: the circular '
+            "schedule holds `repeats` chunks of layers per stage, 2 or more. Pass "
+            '`repeats=2` (or more), or `schedule="gpipe"` for one chunk per stage.'
+        )
+    return repeats
+
+
 def filter_pipeline(
     layer: Callable[[Any, Any], Any],
     blocks: PyTree,
@@ -102,7 +146,8 @@ def filter_pipeline(
     mesh: Mesh | AbstractMesh | None = None,
     axis: str = "stage",
     microbatches: int,
-    repeats: int = 1,
+    schedule: str | None = None,
+    repeats: int | None = None,
     remat: str | None = None,
 ) -> PyTree:
     """Runs a stack of layers as a pipeline over the mesh axis `axis`: each stage holds
@@ -112,10 +157,10 @@ def filter_pipeline(
     Returns what `jax.lax.scan(lambda h, b: (layer(b, h), None), x, blocks)[0]` returns,
     with the same gradients with respect to `blocks` and `x`, eagerly and inside `jax.jit`
     / `eqxshard.filter_jit` / `eqx.filter_jit`. The layer dim of `blocks` is split over
-    `axis` (`S` stages): stage `s` runs layers `s*n/S ..` (`repeats=1`, the GPipe schedule)
-    or, for `repeats=R`, the chunks `c` of `n/(S*R)` layers with `c % S == s` (the
-    circular schedule: a microbatch goes round the stages `R` times, and the idle time,
-    the bubble, falls from `(S-1)/(M+S-1)` to `(S-1)/(M*R+S-1)`). For `R > 1` a stack
+    `axis` (`S` stages): stage `s` runs layers `s*n/S ..` (`schedule="gpipe"`) or, for
+    `schedule="circular", repeats=R`, the chunks `c` of `n/(S*R)` layers with
+    `c % S == s` (a microbatch goes round the stages `R` times, and the idle time, the
+    bubble, falls from `(S-1)/(M+S-1)` to `(S-1)/(M*R+S-1)`). For `R > 1` a stack
     split contiguously over the stages is first regrouped by one all-to-all of each
     stage's weights (in the forward pass, and once more for their gradients; padded to
     `S*ceil(R/S)` chunks, so twice the stage's weights for `R=2, S=4`); a circular
@@ -142,7 +187,12 @@ def filter_pipeline(
     - `axis`: the name of the mesh axis the stages are laid out over (default `"stage"`).
     - `microbatches`: how many pieces the batch is cut into (`M >= S`; the larger, the
         smaller the bubble and each piece).
-    - `repeats`: how many chunks of layers each stage holds (`1`: GPipe; more: circular).
+    - `schedule`: which layers each stage runs:
+        - `"gpipe"` (default): each stage its `n/S` consecutive layers, once per microbatch;
+        - `"circular"`: each stage `repeats` chunks of layers, visited in turn.
+    - `repeats`: with `schedule="circular"`, how many chunks of layers each stage holds
+        (2 or more). Without `schedule`, a `repeats` above 1 still picks the circular
+        schedule, with a `DeprecationWarning`.
     - `remat`: what each layer keeps for the backward pass:
         - `None` or `"none"`: everything (the most memory, no recomputation);
         - `"dots"`: the outputs of matmuls without batch dims; the rest is recomputed;
@@ -161,8 +211,10 @@ def filter_pipeline(
         none; `n` is not divisible by stages x `repeats`; the leaves of `x` (each named)
         do not share a leading dim, or it is not divisible by `microbatches` times the
         data-parallel parts `x` is split into; `microbatches` or `repeats` is below 1;
-        `microbatches` is fewer than the stages; `remat` is not a policy named above, or
-        `"offload"` on devices without a host memory.
+        `microbatches` is fewer than the stages; `schedule` is not one named above,
+        `"gpipe"` with `repeats` above 1, or `"circular"` without `repeats` of 2 or more;
+        `remat` is not a policy named above, or `"offload"` on devices without a host
+        memory.
     - `TypeError`: if `layer` is not callable, `mesh` is not a mesh, `microbatches` or
         `repeats` is not an int, or `x` has non-array leaves (each named).
 
@@ -190,7 +242,8 @@ def filter_pipeline(
         y = run(blocks, x)  # as jax.lax.scan over the n layers gives
         ```
     """
-    watch.note(axis, microbatches, repeats, blocks, mesh)
+    chunks = _repeats(schedule, repeats)
+    watch.note(axis, microbatches, chunks, blocks, mesh)
     return run_pipeline(
         _VERB,
         layer,
@@ -199,7 +252,7 @@ def filter_pipeline(
         mesh=mesh,
         axis=axis,
         microbatches=microbatches,
-        repeats=repeats,
+        repeats=chunks,
         remat=remat,
         stage_major=False,
     )

@@ -8,30 +8,18 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
+from ..._tree import dotted_path
 from ..spmd.stage_major import from_stage_major, to_stage_major
 from .building import with_mesh_set
 from .scan import layer_count
 from .stacked import Stacked, is_stacked
 
 
-def dotted(path: Any) -> str:
-    """A key path as `auto_plan` and `Plan.remat` name a stack: `decoder.blocks`."""
-    parts = []
-    for key in path:
-        for attr in ("name", "idx", "key"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return ".".join(parts)
-
-
 def stacks(model: Any) -> dict[str, Stacked]:
     """Every `Stacked` of `model` by its dotted path (`""` for a model that is one), in
     tree order; stacks nested inside a stack's blocks are not looked into."""
     found = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stacked)[0]
-    return {dotted(path): leaf for path, leaf in found if isinstance(leaf, Stacked)}
+    return {dotted_path(path): leaf for path, leaf in found if isinstance(leaf, Stacked)}
 
 
 def layers(stack: Stacked) -> int:
@@ -66,7 +54,7 @@ def configure(
     def rebuilt(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, Stacked):
             return leaf
-        policy = remat if isinstance(remat, str) else remat.get(dotted(path), leaf.remat)
+        policy = remat if isinstance(remat, str) else remat.get(dotted_path(path), leaf.remat)
         options: dict[str, Any] = dict(remat=policy)
         if pipeline is not None:
             options |= dict(pipeline, mesh=mesh)
@@ -105,7 +93,7 @@ def configure_like(tree: Any, model: Any) -> Any:
     def rebuilt(path: Any, leaf: Any) -> Any:
         if not isinstance(leaf, Stacked):
             return leaf
-        where = dotted(path)
+        where = dotted_path(path)
         for p, stack in found.items():
             if where == p or where.endswith("." + p) or not p:
                 return jax.tree_util.tree_unflatten(_node(stack), [_reordered(leaf, stack)])

@@ -38,13 +38,13 @@ def stack_layers(layers: Sequence[Any]) -> Any:
     for i, layer in enumerate(layers[1:], start=1):
         params, static = eqx.partition(layer, eqx.is_array)
         if jax.tree.structure(params) != first_def or not _static_equal(static, first_static):
-            rows.append((f"layers[{i}]", "a structure or non-array leaves unlike layers[0]'s"))
+            rows.append((f"layers.{i}", "a structure or non-array leaves unlike layers[0]'s"))
             continue
         for (path, a), b in zip(first_leaves, jax.tree.leaves(params), strict=True):
             if a.shape != b.shape or a.dtype != b.dtype:
                 rows.append(
                     (
-                        f"layers[{i}]{pathstr(path)}",
+                        pathstr(path, f"layers.{i}"),
                         f"{b.dtype}{shape_str(b.shape)}",
                         f"layers[0] has {a.dtype}{shape_str(a.shape)}",
                     )

@@ -21,13 +21,13 @@ class Link:
     - `latency`: seconds per step of a collective (a ring all-reduce over `n` devices
         takes `2 (n - 1)` steps, an all-gather `n - 1`, a permute one).
 
-    Presets are in `eqxshard.LINKS` by name, e.g. `"nvlink4"`, `"infiniband_ndr"`.
+    Presets are in `eqxshard.links.LINKS` by name, e.g. `"nvlink4"`, `"infiniband_ndr"`.
 
     !!! Example
 
         ```python
-        print(eqxshard.LINKS["inter_node"])  # Link(bandwidth=5e+10, latency=5e-06)
-        measured = eqxshard.Link(bandwidth=20e9, latency=8e-6)  # e.g. from nccl-tests
+        print(eqxshard.links.LINKS["inter_node"])  # Link(bandwidth=5e+10, latency=5e-06)
+        measured = eqxshard.links.Link(bandwidth=20e9, latency=8e-6)  # e.g. from nccl-tests
         links = {"data": measured, "model": "nvlink4"}  # auto_plan(..., links=links)
         ```
     """
@@ -86,12 +86,13 @@ def as_link(value: Any, where: str) -> Link:
         if value not in LINKS:
             raise ValueError(
                 f"`auto_plan` got {where} = {value!r}, which is not a preset; presets: "
-                f"{', '.join(sorted(LINKS))}. Or pass `eqxshard.Link(bandwidth=..., latency=...)`."
+                f"{', '.join(sorted(LINKS))}. Or pass "
+                "`eqxshard.links.Link(bandwidth=..., latency=...)`."
             )
         return LINKS[value]
     raise TypeError(
         f"`auto_plan` takes {where} as a preset name ({', '.join(sorted(LINKS))}) or an "
-        f"`eqxshard.Link`, but got {type(value).__name__}."
+        f"`eqxshard.links.Link`, but got {type(value).__name__}."
     )
 
 

@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 from ..._compat import spec_str
 from ..._placement.shard import filter_shard
 from ..._tree import format_bytes
+from ..pipeline_choice import Pipeline, from_plan_argument
 from ..plan import filter_init
 from . import choices, use, view
 from .candidate import Candidate as Candidate
@@ -30,7 +31,7 @@ class Plan:
         process's devices (`jax.make_mesh`'s order, Auto axes), or abstract when they are
         too few.
     - `rules`: the rule for the model and the optimiser state, usable as `spec`
-        anywhere (`filter_shard`, `filter_plan`, `filter_init`, `describe`). Its `repr`
+        anywhere (`filter_shard`, `filter_shardings`, `filter_init`, `describe`). Its `repr`
         is Python to paste into a script and edit.
     - `batch_spec`: the `PartitionSpec` of every batch leaf (its leading dim split over
         the data axes).
@@ -42,9 +43,11 @@ class Plan:
         layer.
     - `offload`: the parts held in pinned host memory between steps and moved in for
         the update: `("optimizer state",)` or `()`.
-    - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
-        "repeats": ...}`, with `"in_step": True` for a step that calls `filter_pipeline`
-        itself (`jit` then runs it with the mesh set; there is no `Stacked` to configure).
+    - `pipeline`: `None`, or the pipeline chosen, an `eqxshard.Pipeline(axis,
+        microbatches, repeats, in_step)`, with `in_step=True` for a step that calls
+        `filter_pipeline` itself (`jit` then runs it with the mesh set; there is no
+        `Stacked` to configure). A dict with those keys (what older `repr(plan)`s wrote) is
+        still read, with a `DeprecationWarning`.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
@@ -60,7 +63,7 @@ class Plan:
     budget: int
     remat: dict[str, str] | str
     offload: tuple[str, ...]
-    pipeline: dict[str, Any] | None
+    pipeline: Pipeline | None
 
     def __init__(
         self,
@@ -71,7 +74,7 @@ class Plan:
         budget: int = 0,
         remat: dict[str, str] | str | None = None,
         offload: tuple[str, ...] = (),
-        pipeline: dict[str, Any] | None = None,
+        pipeline: Pipeline | dict[str, Any] | None = None,
     ):
         if isinstance(mesh, dict):
             mesh = mesh_for(mesh)
@@ -80,7 +83,9 @@ class Plan:
                 "`Plan` takes `mesh` as a `Mesh`, an `AbstractMesh` or a dict of axis sizes "
                 f"(`{{'data': 8}}`), but got {type(mesh).__name__}."
             )
-        remat, offload = choices.check({} if remat is None else remat, offload, pipeline)
+        pipeline = from_plan_argument(pipeline)
+        options = None if pipeline is None else pipeline.options()
+        remat, offload = choices.check({} if remat is None else remat, offload, options)
         values = dict(
             mesh=mesh,
             rules=rules,
@@ -129,22 +134,43 @@ class Plan:
         )
 
     def shard(self, model: Any, opt_state: Any = None, batch: Any = None) -> tuple[Any, Any, Any]:
-        """`(model, opt_state, batch)` placed by the plan with `filter_shard` (`None`s are
-        returned as they are), the model's `Stacked` layers configured as `apply` does,
-        the optimiser state in pinned host memory when the plan offloads it. Raises
-        `ValueError` for a plan over an `AbstractMesh`, or whose `remat`/`pipeline` do
-        not match the model's stacks."""
+        """The three inputs of a training step laid out by the plan, for a model, state
+        and batch made elsewhere: `(model, opt_state, batch)`, where
+
+        - `model` is what `plan.apply(model)` gives: its `Stacked` layers configured
+            (`remat`, `pipeline`), then laid out by `plan.rules`;
+        - `opt_state` is laid out by `plan.rules` (its `Stacked` parts configured like
+            the model's), in pinned host memory when the plan offloads it;
+        - `batch` is laid out by `plan.batch_spec`.
+
+        Each argument may be `None`, returned as it is. To lay out only a model, use
+        `apply`; to create the model and state already laid out, use `init`.
+
+        **Raises:**
+
+        - `ValueError`: for a plan over an `AbstractMesh`, or whose `remat`/`pipeline` do
+            not match the model's stacks; `filter_shard`'s errors.
+        """
         mesh = self._concrete_mesh("shard")
-        place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
         if model is not None:
-            model = self._configured("Plan.shard", model, mesh)
+            model = self._laid_out("Plan.shard", model, mesh)
             opt_state = use.configure_like(opt_state, model)
         if opt_state is not None:
             opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
-        return place(model, self.rules), opt_state, place(batch, self.batch_spec)
+        batch = None if batch is None else filter_shard(batch, mesh, self.batch_spec)
+        return model, opt_state, batch
+
+    def _laid_out(self, verb: str, model: Any, mesh: Mesh) -> Any:
+        """`apply`: `model` configured, then laid out by the rules."""
+        return filter_shard(self._configured(verb, model, mesh), mesh, self.rules)
 
     def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
-        return use.configured(verb, model, mesh, self.remat, self.pipeline)
+        return use.configured(verb, model, mesh, self.remat, self._pipeline_options)
+
+    @property
+    def _pipeline_options(self) -> dict[str, Any] | None:
+        """`pipeline` in the dict form `Stacked` and the planner read."""
+        return None if self.pipeline is None else self.pipeline.options()
 
     @property
     def _offloads_state(self) -> bool:
@@ -225,15 +251,16 @@ class Plan:
             raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
         mesh = self._concrete_mesh("jit")
         offload = self._offloads_state
-        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, self.pipeline)
+        options = self._pipeline_options
+        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, options)
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
         plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
         layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
         `repeats=1`, circular above), then its array leaves placed by `plan.rules` over
-        `plan.mesh`. A plan without such choices only places the model (as
-        `plan.shard(model)` does).
+        `plan.mesh`. A plan without such choices only places the model. `shard` lays out
+        the optimiser state and the batch too (its model is this one).
 
         **Arguments:**
 
@@ -249,8 +276,7 @@ class Plan:
             `Stacked` layers of `model`, or a `pipeline` for a model without any (the
             paths found are listed); `Stacked`'s and `filter_shard`'s errors.
         """
-        mesh = self._concrete_mesh("apply")
-        return use.apply(model, mesh, self.rules, self.remat, self.pipeline)
+        return self._laid_out("Plan.apply", model, self._concrete_mesh("apply"))
 
     def summary(self) -> str:
         c = self.chosen

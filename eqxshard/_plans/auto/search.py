@@ -92,8 +92,8 @@ def auto_plan(
         takes and which the plan lays out like the model; `None` for a step without one.
     - `rules`: more candidate rules (any `spec` form), each tried on every mesh shape.
     - `links`: the link of each mesh axis, for the time estimate: a preset name from
-        `eqxshard.LINKS` (`"nvlink4"`, `"infiniband_ndr"`, `"intra_node"`, ...), an
-        `eqxshard.Link(bandwidth, latency)`, or a dict `{axis: preset or Link}` (e.g.
+        `eqxshard.links.LINKS` (`"nvlink4"`, `"infiniband_ndr"`, `"intra_node"`, ...), an
+        `eqxshard.links.Link(bandwidth, latency)`, or a dict `{axis: preset or Link}` (e.g.
         `{"data": "inter_node"}`), where the axis `"host"` is the link to pinned host
         memory (default `"host"`, PCIe 5). Axes not given get `"inter_node"` when they
         cross nodes (see `devices_per_node`) and `"intra_node"` otherwise.

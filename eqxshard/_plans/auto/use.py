@@ -16,13 +16,15 @@ from ..._pipeline.stacked.configure import configure, configure_like as configur
 from ..._placement.put import filter_put
 from ..._placement.shard import filter_shard
 from ..._step.jit import filter_jit
-from ..plan import filter_plan
+from ..plan import filter_shardings
 from .choices import HOST_MEMORY_KIND as HOST, IN_STEP
 
 
 def host_layout(opt_state: Any, mesh: Any, rules: Any) -> Any:
     """The shardings of `opt_state` laid out by `rules`, in pinned host memory."""
-    return jax.tree.map(lambda s: s.with_memory_kind(HOST), filter_plan(opt_state, mesh, rules))
+    return jax.tree.map(
+        lambda s: s.with_memory_kind(HOST), filter_shardings(opt_state, mesh, rules)
+    )
 
 
 def place_state(opt_state: Any, mesh: Any, rules: Any, offload: bool) -> Any:
@@ -142,8 +144,3 @@ def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str] | str, pi
     if not remat and pipeline is None:
         return model
     return configure(verb, model, remat=remat, pipeline=pipeline, mesh=mesh)
-
-
-def apply(model: Any, mesh: Any, rules: Any, remat: dict[str, str] | str, pipeline: Any) -> Any:
-    """`Plan.apply`, given the plan's concrete mesh, rules and choices."""
-    return filter_shard(configured("Plan.apply", model, mesh, remat, pipeline), mesh, rules)

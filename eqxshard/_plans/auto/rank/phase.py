@@ -3,6 +3,7 @@ dimensions that chose it, and the `Plan` of the first row."""
 
 from __future__ import annotations
 
+from ...pipeline_choice import of_options
 from ..dimensions.base import Search
 from ..layout import batch_spec
 from ..meshes import mesh_for
@@ -27,5 +28,5 @@ def rank(search: Search) -> Plan:
         budget=traced.budget,
         offload=chosen.offload,
         remat=chosen.remat,
-        pipeline=chosen.pipeline,
+        pipeline=of_options(chosen.pipeline),
     )

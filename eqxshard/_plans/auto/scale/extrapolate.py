@@ -10,7 +10,7 @@ stage axis with `fsdp` and `model` at 2, so that one compile serves every mesh o
 stages with the same axes (and the compile is small). What changes, and how:
 
 - parameters, gradients, optimiser state and batch per device: exact, from the large
-  mesh's shardings (`filter_plan` on an `AbstractMesh`);
+  mesh's shardings (`filter_shardings` on an `AbstractMesh`);
 - activations and other temporaries: as compiled, divided by how much the model axis
   shrank (their model-split parts grow by that factor on the small mesh); temporaries
   split over `fsdp` (the optimiser's update) are overestimated when `fsdp` shrinks;

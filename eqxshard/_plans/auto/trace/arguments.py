@@ -13,7 +13,7 @@ from jax.sharding import AbstractMesh
 
 from ...._pipeline.stacked.configure import stacks
 from ...._pipeline.watch import watching
-from ...._tree import format_bytes, is_array_like
+from ...._tree import format_bytes, is_array_like, pathstr
 from . import own_pipeline
 
 # Without `budget=`, this fraction of the device's memory (`bytes_limit`) is left free,
@@ -108,9 +108,7 @@ def batch_size(batch: Any) -> int:
         raise ValueError("`auto_plan` takes a `batch` with at least one array leaf, but got none.")
     sizes = {x.shape[0] if x.shape else None for _, x in arrays}
     if len(sizes) != 1 or None in sizes:
-        rows = "\n".join(
-            f"  {jax.tree_util.keystr(p) or '<root>'}  shape {tuple(x.shape)}" for p, x in arrays
-        )
+        rows = "\n".join(f"  {pathstr(p)}  shape {tuple(x.shape)}" for p, x in arrays)
         raise ValueError(
             "`auto_plan` takes a `batch` whose array leaves share a leading (batch) dim, "
             f"but got:\n{rows}\nPass only the per-step batch, every leaf with the examples "

@@ -66,7 +66,7 @@ def found(calls: list[PipelineCall], inputs: list[tuple[Any, Any]], stacked: boo
     by_id = {id(leaf): dotted_path(path) for path, leaf in inputs}
     missing = [where for c in calls for where, leaf in c.blocks if id(leaf) not in by_id]
     if missing or not any(c.blocks for c in calls):
-        rows = "\n".join(f"  blocks{w}" for w in missing) or "  (no array leaves)"
+        rows = "\n".join(f"  {w}" for w in missing) or "  (no array leaves)"
         raise ValueError(
             "`auto_plan` found that `step` calls `filter_pipeline`, but could not find these "
             f"leaves of its `blocks` among the model's leaves:\n{rows}\nThe step builds or "
