@@ -98,6 +98,14 @@ def test_repr_is_python_for_an_equal_plan(plan):
     assert pasted == plan and pasted.table == [] and repr(pasted) == repr(plan)
     assert dict(pasted.mesh.shape) == plan.chosen.mesh_shape
     assert pasted.remat == {} and pasted.offload == () and pasted.pipeline is None
+    # What the guide says to paste on the cluster prints, in text and in a notebook; it
+    # has no chosen row (no table), and says so.
+    shown = str(pasted)
+    assert shown == pasted.summary() and "No table of candidates" in shown
+    assert "batch P(" in shown and "data=" in shown
+    assert "No table of candidates" in pasted._repr_html_()
+    with pytest.raises(ValueError, match=r"holds no table of candidates.*auto_plan"):
+        _ = pasted.chosen
     other = eqxshard.Plan(
         mesh=dict(plan.mesh.shape),
         rules=plan.rules,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 from collections.abc import Callable
 from typing import Any
 
@@ -117,6 +118,15 @@ class Plan:
 
     @property
     def chosen(self) -> Candidate:
+        """The chosen row, `table[0]`. A plan rebuilt from `repr(plan)` holds no table:
+        its `chosen` is a `ValueError` saying so (`print(plan)` still shows its choices)."""
+        if not self.table:
+            raise ValueError(
+                "This `Plan` holds no table of candidates (it was built directly, e.g. from "
+                "`repr(plan)`), so it has no chosen row; its choices are its fields "
+                "(`mesh`, `rules`, `batch_spec`, `remat`, `offload`, `pipeline`). Run "
+                "`eqxshard.auto_plan` to get the table."
+            )
         return self.table[0]
 
     def _concrete_mesh(self, verb: str) -> Mesh:
@@ -279,6 +289,8 @@ class Plan:
         return self._laid_out("Plan.apply", model, self._concrete_mesh("apply"))
 
     def summary(self) -> str:
+        if not self.table:
+            return self._choices_line()
         c = self.chosen
         return (
             f"Chosen: {c.name} on {view.mesh_str(c.mesh_shape)}: "
@@ -286,7 +298,23 @@ class Plan:
             f"estimated {view.seconds_str(c.time)} per step. {c.reason}"
         )
 
+    def _choices_line(self) -> str:
+        """What a plan without a table (rebuilt from its repr) says of itself."""
+        more = [
+            f"remat {self.remat!r}" if self.remat else "",
+            f"offload {', '.join(self.offload)}" if self.offload else "",
+            f"pipeline over {self.pipeline.axis!r}" if self.pipeline else "",
+        ]
+        said = "".join(f", {m}" for m in more if m)
+        return (
+            f"Plan on {view.mesh_str(dict(self.mesh.shape))}: rules {self.rules!r}, batch "
+            f"{spec_str(self.batch_spec)}, budget {format_bytes(self.budget)}{said}. "
+            "(No table of candidates: this plan was built from its fields, e.g. `repr(plan)`.)"
+        )
+
     def __str__(self) -> str:
+        if not self.table:
+            return self.summary()
         return view.text(self.table, self.summary())
 
     def __repr__(self) -> str:
@@ -297,4 +325,6 @@ class Plan:
         )
 
     def _repr_html_(self) -> str:
+        if not self.table:
+            return f"<div><p>{html.escape(self.summary())}</p></div>"
         return view.to_html(self.table, self.budget, self.summary())
