@@ -4,6 +4,8 @@ from . import _version
 from ._checkpoint.async_save import AsyncSave as AsyncSave
 from ._checkpoint.restore import filter_restore as filter_restore
 from ._checkpoint.save import filter_save as filter_save, latest_step as latest_step
+from ._experts.module import Experts as Experts
+from ._experts.moe import moe as moe
 from ._mapping.jacobian import (
     filter_hessian as filter_hessian,
     filter_jacfwd as filter_jacfwd,
@@ -27,6 +29,7 @@ from ._plans.describe import (
     ShardingTable as ShardingTable,
     describe as describe,
 )
+from ._plans.experts import experts as experts
 from ._plans.fsdp import fsdp as fsdp
 from ._plans.like import like as like
 from ._plans.logical import logical as logical

@@ -24,6 +24,9 @@ LAYERS = {
     "_shard_map": 2,
     "_step": 2,
     "_pipeline": 3,
+    # Between `_pipeline` and `_plans`: `Experts` runs inside a `Stacked` without either
+    # importing the other, and `_plans` (the `experts` rule, auto_plan) reads `Experts`.
+    "_experts": 3.5,
     "_plans": 4,
     "_checkpoint": 5,
     "_processes": 6,

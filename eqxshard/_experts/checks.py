@@ -57,7 +57,11 @@ def expert_count(experts: Any, verb: str) -> int:
         if d is not None:
             counts[d] = counts.get(d, 0) + 1
     n = max(counts, key=lambda d: counts[d]) if counts else None
-    bad = [(pathstr(p), f"shape {shape_str(x.shape)}") for (p, x), d in zip(leaves, dims) if d != n]
+    bad = [
+        (pathstr(p), f"shape {shape_str(x.shape)}")
+        for (p, x), d in zip(leaves, dims, strict=True)
+        if d != n
+    ]
     if n is None or bad:
         raise ValueError(
             leaf_error(
@@ -84,9 +88,7 @@ def _mesh(mesh: Any, verb: str) -> Mesh | AbstractMesh:
     return mesh
 
 
-def _token_axes(
-    data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str
-) -> tuple[str, ...]:
+def _token_axes(data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str) -> tuple[str, ...]:
     names = tuple(mesh.axis_names)
     if data_axes is None:
         return names

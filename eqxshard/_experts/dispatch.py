@@ -97,7 +97,7 @@ def run_experts(
         params_i, i = xs
         return jnp.where((which == i)[:, None], one(params_i, flat), acc), None
 
-    shape = jax.eval_shape(one, jax.tree.map(lambda l: l[0], params), flat)
+    shape = jax.eval_shape(one, jax.tree.map(lambda a: a[0], params), flat)
     acc = jnp.zeros(shape.shape, shape.dtype)
     out = jax.lax.scan(step, acc, (params, jnp.arange(p.per_device)))[0]
     return out.reshape(a, rows, -1)
