@@ -67,13 +67,25 @@ def mesh():
 
 
 @pytest.fixture(scope="module")
+def model():
+    # Built under `jit`: eagerly, the nested `filter_vmap` of the init runs op by op (~10 s).
+    return eqx.filter_jit(Model)(jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def layer(model):
+    """The first layer's experts, as an `Experts` of their own."""
+    stacked = model.layers.blocks.experts.expert_blocks
+    return eqxshard.Experts(jax.tree.map(lambda a: a[0] if eqx.is_array(a) else a, stacked))
+
+
+@pytest.fixture(scope="module")
 def data():
     x = jax.random.normal(jax.random.key(1), (N, D))
     return x, jnp.sin(x.sum(1))
 
 
-def test_the_rule_splits_the_expert_dim_and_nothing_else(mesh):
-    model = Model(jax.random.key(0))
+def test_the_rule_splits_the_expert_dim_and_nothing_else(mesh, model, data):
     rule = eqxshard.experts("expert") | P()
     placed = eqxshard.filter_shard(model, mesh, rule)
     specs = {
@@ -88,6 +100,12 @@ def test_the_rule_splits_the_expert_dim_and_nothing_else(mesh):
     # `describe` and `filter_plan` read the same rule.
     table = eqxshard.describe(model, mesh, rule)
     assert "expert_blocks" in str(table) and "'expert'" in str(table)
+    # The model runs eagerly (the `Stacked`'s scan around `moe`) as under `filter_jit`.
+    x = data[0]
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(
+            placed(x), eqxshard.filter_jit(lambda m, x: m(x))(placed, x), rtol=1e-6, atol=1e-6
+        )
     plan = eqxshard.filter_plan(model, mesh, rule)
     leaf = plan.layers.blocks.experts.expert_blocks.layers[0].weight
     assert leaf.spec == P(None, "expert")
@@ -99,8 +117,7 @@ def test_the_rule_on_a_layer_alone_and_through_filter_init(mesh):
     assert layer.expert_blocks.layers[0].weight.shape == (E, HIDDEN, D)
 
 
-def test_the_rule_errors(mesh):
-    layer = make_layer(jax.random.key(0))
+def test_the_rule_errors(mesh, layer):
     with pytest.raises(ValueError, match=r"`experts` over the mesh axis 'experts', which the"):
         eqxshard.filter_shard(layer, mesh, eqxshard.experts("experts"))
     three = jax.make_mesh((3,), ("expert",), axis_types=(AxisType.Auto,))
@@ -110,9 +127,9 @@ def test_the_rule_errors(mesh):
         eqxshard.experts(3)  # pyright: ignore[reportArgumentType]
 
 
-def test_the_module_runs_as_moe_does(mesh, data):
+def test_the_module_runs_as_moe_does(mesh, data, layer):
     x, _ = data
-    layer = eqxshard.filter_shard(make_layer(jax.random.key(0)), mesh, eqxshard.experts())
+    layer = eqxshard.filter_shard(layer, mesh, eqxshard.experts())
     weights, indices = jax.lax.top_k(jax.nn.softmax(x @ jnp.ones((D, E))), 2)
     with jax.set_mesh(mesh):
         y = layer(x, indices, weights)
@@ -122,18 +139,23 @@ def test_the_module_runs_as_moe_does(mesh, data):
     np.testing.assert_allclose(y_jit, y, rtol=1e-6, atol=1e-6)
     capped = eqxshard.Experts(layer.expert_blocks, capacity_factor=1.0, mesh=mesh)
     y_capped, dropped = capped(x, indices, weights, return_dropped=True)
-    assert int(dropped) > 0  # a router that sends most tokens to the same experts
+    # A flat router: every token picks experts 0 and 1. Each of the 8 devices holds 4
+    # tokens; capacity ceil(1.0 * 4 * 2 / 8) = 1 keeps only its first token's choices.
+    assert int(dropped) == 8 * 6
+    first = np.arange(N) % 4 == 0
+    np.testing.assert_allclose(y_capped[first], y[first], rtol=1e-6, atol=1e-6)
+    assert not np.asarray(y_capped[~first]).any()
     assert layer.n == E
 
 
-def test_a_small_moe_model_trains_as_on_one_device(mesh, data):
+def test_a_small_moe_model_trains_as_on_one_device(mesh, model, data):
     x, y = data
     opt = optax.adam(1e-2)
 
     def train(mesh, spec):
         with jax.set_mesh(mesh):
-            model = eqxshard.filter_shard(Model(jax.random.key(0)), mesh, spec)
-            opt_state = opt.init(eqx.filter(model, eqx.is_array))
+            placed = eqxshard.filter_shard(model, mesh, spec)
+            opt_state = opt.init(eqx.filter(placed, eqx.is_array))
 
             @eqxshard.filter_jit
             def step(model, opt_state, x, y):
@@ -143,21 +165,21 @@ def test_a_small_moe_model_trains_as_on_one_device(mesh, data):
 
             losses = []
             for _ in range(3):
-                model, opt_state, loss = step(model, opt_state, x, y)
+                placed, opt_state, loss = step(placed, opt_state, x, y)
                 losses.append(float(loss))
-        return model, losses
+        return placed, losses
 
     one = jax.make_mesh((1,), ("expert",), axis_types=(AxisType.Auto,), devices=jax.devices()[:1])
     _, reference = train(one, P())
-    model, losses = train(mesh, eqxshard.experts("expert") | P())
+    trained, losses = train(mesh, eqxshard.experts("expert") | P())
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
     assert losses[-1] < losses[0]
-    weight = model.layers.blocks.experts.expert_blocks.layers[0].weight
+    weight = trained.layers.blocks.experts.expert_blocks.layers[0].weight
     assert weight.sharding.spec == P(None, "expert")
 
 
-def test_experts_checks_its_arguments():
-    blocks = make_layer(jax.random.key(0)).expert_blocks
+def test_experts_checks_its_arguments(layer):
+    blocks = layer.expert_blocks
     bad = eqx.tree_at(lambda m: m.layers[1].bias, blocks, jnp.zeros((2, D)))
     with pytest.raises(ValueError, match=r"`Experts` needs every array leaf(.|\n)*layers\[1\]"):
         eqxshard.Experts(bad)
