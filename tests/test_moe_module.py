@@ -129,14 +129,20 @@ def test_the_rule_errors(mesh, layer):
 
 def test_the_module_runs_as_moe_does(mesh, data, layer):
     x, _ = data
+    unplaced = layer
     layer = eqxshard.filter_shard(layer, mesh, eqxshard.experts())
     weights, indices = jax.lax.top_k(jax.nn.softmax(x @ jnp.ones((D, E))), 2)
     with jax.set_mesh(mesh):
         y = layer(x, indices, weights)
         y_moe = eqxshard.moe(lambda b, h: jax.vmap(b)(h), layer.expert_blocks, x, indices, weights)
         y_jit = eqxshard.filter_jit(lambda m, x: m(x, indices, weights))(layer, x)
+        # `filter_jit` lays out an unplaced layer by the rule itself.
+        laid_out = eqxshard.filter_jit(
+            lambda m: m, in_shardings=eqxshard.experts() | P(), mesh=mesh
+        )(unplaced)
     np.testing.assert_allclose(y, y_moe, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(y_jit, y, rtol=1e-6, atol=1e-6)
+    assert laid_out.expert_blocks.layers[1].bias.sharding.spec == P("expert")
     capped = eqxshard.Experts(layer.expert_blocks, capacity_factor=1.0, mesh=mesh)
     y_capped, dropped = capped(x, indices, weights, return_dropped=True)
     # A flat router: every token picks experts 0 and 1. Each of the 8 devices holds 4
