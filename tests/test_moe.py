@@ -6,6 +6,7 @@ all-gather of the experts); every bad input's error."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -79,19 +80,18 @@ def loss_of(fn, static, indices):
     return lambda params, x, w: jnp.sum(fn(eqx.combine(params, static), x, indices, w) ** 2)
 
 
-@pytest.fixture(scope="module")
-def cases():
-    """Per (E, k): the experts, tokens, choices, dense values and dense gradients."""
-    out = {}
-    for e in (8, 16):
-        experts = make_experts(e)
-        params, static = eqx.partition(experts, eqx.is_array)
-        for k in (1, 2):
-            x, indices, weights = route(e, k)
-            y = dense(experts, x, indices, weights)
-            grads = jax.grad(loss_of(dense, static, indices), argnums=(0, 1, 2))(params, x, weights)
-            out[e, k] = (experts, x, indices, weights, y, grads)
-    return out
+@functools.cache
+def case(e: int, k: int):
+    """The experts, tokens, choices, dense values and dense gradients of `(E, k)`, made
+    once, under `jit` (eagerly the nested `vmap`s run op by op)."""
+    experts = eqx.filter_jit(make_experts)(e)
+    params, static = eqx.partition(experts, eqx.is_array)
+    x, indices, weights = route(e, k)
+    y = eqx.filter_jit(dense)(experts, x, indices, weights)
+    grads = jax.jit(jax.grad(loss_of(dense, static, indices), argnums=(0, 1, 2)))(
+        params, x, weights
+    )
+    return experts, x, indices, weights, y, grads
 
 
 def _close(a, b):
@@ -107,8 +107,8 @@ FAST = {("expert=4", 8, 2, False), ("data=2,expert=4", 16, 1, False), ("expert=8
     "mesh_name,e,k,explicit",
     [p if p in FAST else pytest.param(*p, marks=pytest.mark.heavy) for p in ALL],
 )
-def test_values_and_gradients_equal_the_dense_sum(cases, mesh_name, e, k, explicit):
-    experts, x, indices, weights, y_ref, grads_ref = cases[e, k]
+def test_values_and_gradients_equal_the_dense_sum(mesh_name, e, k, explicit):
+    experts, x, indices, weights, y_ref, grads_ref = case(e, k)
     mesh = mesh_of(mesh_name, explicit)
     params, static = eqx.partition(experts, eqx.is_array)
 
@@ -126,8 +126,8 @@ def test_values_and_gradients_equal_the_dense_sum(cases, mesh_name, e, k, explic
     assert y.sharding.spec[0] == (mesh.axis_names if len(mesh.axis_names) > 1 else "expert")
 
 
-def test_under_jit_on_a_mesh_set_by_set_mesh(cases):
-    experts, x, indices, weights, y_ref, _ = cases[8, 2]
+def test_under_jit_on_a_mesh_set_by_set_mesh():
+    experts, x, indices, weights, y_ref, _ = case(8, 2)
     mesh = mesh_of("data=2,expert=4")
     f = eqx.filter_jit(lambda ex, x, i, w: eqxshard.moe(per_token, ex, x, i, w))
     with jax.set_mesh(mesh):
@@ -137,7 +137,7 @@ def test_under_jit_on_a_mesh_set_by_set_mesh(cases):
 @pytest.mark.parametrize("factor", [1.0, pytest.param(0.5, marks=pytest.mark.heavy)])
 def test_capacity_drops_by_gshards_rule(factor):
     e, k = 8, 2
-    experts = make_experts(e)
+    experts = case(e, k)[0]
     x, indices, weights = route(e, k, skew=4.0)
     mesh = mesh_of("data=2,expert=4")
     chunks = 8
@@ -159,7 +159,7 @@ def test_capacity_drops_by_gshards_rule(factor):
 
 
 def test_dropless_drops_nothing_on_a_skewed_router():
-    experts = make_experts(8)
+    experts = case(8, 2)[0]
     x, indices, weights = route(8, 2, skew=4.0)
     mesh = mesh_of("expert=4")
     y, dropped = eqxshard.moe(
@@ -169,8 +169,8 @@ def test_dropless_drops_nothing_on_a_skewed_router():
     _close(y, dense(experts, x, indices, weights))
 
 
-def test_the_program_moves_tokens_not_experts(cases):
-    experts, x, indices, weights, *_ = cases[8, 2]
+def test_the_program_moves_tokens_not_experts():
+    experts, x, indices, weights, *_ = case(8, 2)
     mesh = mesh_of("data=2,expert=4")
     params, static = eqx.partition(experts, eqx.is_array)
 
@@ -191,11 +191,11 @@ def test_the_program_moves_tokens_not_experts(cases):
     assert not [c for c in collectives if re.search(r"f32\[8,(16,8|8,16)\]", c)], collectives
 
 
-def test_an_eager_call_reuses_its_program(cases):
+def test_an_eager_call_reuses_its_program():
     from eqxshard import _caches
     from eqxshard._experts import moe as moe_module
 
-    experts, x, indices, weights, y_ref, _ = cases[8, 1]
+    experts, x, indices, weights, y_ref, _ = case(8, 1)
     mesh = mesh_of("expert=4")
     eqxshard.moe(per_token, experts, x, indices, weights, mesh=mesh)
     before = len(moe_module._PROGRAMS)  # noqa: SLF001 - the cache under test
@@ -211,7 +211,7 @@ def test_an_eager_call_reuses_its_program(cases):
 
 @pytest.fixture(scope="module")
 def small():
-    experts = make_experts(8)
+    experts = case(8, 2)[0]
     x, indices, weights = route(8, 2)
     return experts, x, indices, weights
 
@@ -277,11 +277,11 @@ def test_tokens_not_divisible_and_a_bad_capacity(small):
         _call(small, capacity_factor=0)
 
 
-def test_a_model_axis_inside_the_experts_stays_with_the_compiler(cases):
+def test_a_model_axis_inside_the_experts_stays_with_the_compiler():
     # `data_axes=()`: the tokens split over 'expert' only; 'model' splits each expert's
     # hidden dim (Megatron-style), which the compiler keeps: an all-reduce over 'model'
     # joins the two halves, and nothing is gathered.
-    experts, x, indices, weights, y_ref, _ = cases[8, 2]
+    experts, x, indices, weights, y_ref, _ = case(8, 2)
     mesh = jax.make_mesh((4, 2), ("expert", "model"), axis_types=(AxisType.Auto,) * 2)
     rule = eqxshard.path_rules(
         [
