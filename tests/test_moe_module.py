@@ -89,7 +89,7 @@ def test_the_rule_splits_the_expert_dim_and_nothing_else(mesh, model, data):
     rule = eqxshard.experts("expert") | P()
     placed = eqxshard.filter_shard(model, mesh, rule)
     specs = {
-        eqxshard.dotted_path(p): leaf.sharding.spec
+        jax.tree_util.keystr(p): leaf.sharding.spec
         for p, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(placed, eqx.is_array))[0]
     }
     experts = {p: s for p, s in specs.items() if ".expert_blocks." in p}
@@ -97,7 +97,7 @@ def test_the_rule_splits_the_expert_dim_and_nothing_else(mesh, model, data):
     # Inside the `Stacked`: the layer dim first, then the expert dim.
     assert set(experts.values()) == {P(None, "expert")}
     assert all(s == P() for p, s in specs.items() if p not in experts)
-    # `describe` and `filter_plan` read the same rule.
+    # `describe` reads the same rule.
     table = eqxshard.describe(model, mesh, rule)
     assert "expert_blocks" in str(table) and "'expert'" in str(table)
     # The model runs eagerly (the `Stacked`'s scan around `moe`) as under `filter_jit`.
@@ -106,9 +106,6 @@ def test_the_rule_splits_the_expert_dim_and_nothing_else(mesh, model, data):
         np.testing.assert_allclose(
             placed(x), eqxshard.filter_jit(lambda m, x: m(x))(placed, x), rtol=1e-6, atol=1e-6
         )
-    plan = eqxshard.filter_plan(model, mesh, rule)
-    leaf = plan.layers.blocks.experts.expert_blocks.layers[0].weight
-    assert leaf.spec == P(None, "expert")
 
 
 def test_the_rule_on_a_layer_alone_and_through_filter_init(mesh):
@@ -187,7 +184,7 @@ def test_a_small_moe_model_trains_as_on_one_device(mesh, model, data):
 def test_experts_checks_its_arguments(layer):
     blocks = layer.expert_blocks
     bad = eqx.tree_at(lambda m: m.layers[1].bias, blocks, jnp.zeros((2, D)))
-    with pytest.raises(ValueError, match=r"`Experts` needs every array leaf(.|\n)*layers\[1\]"):
+    with pytest.raises(ValueError, match=r"`Experts` needs every array leaf(.|\n)*layers(\[1\]|\.1)"):
         eqxshard.Experts(bad)
     with pytest.raises(ValueError, match=r"`capacity_factor` as a number > 0"):
         eqxshard.Experts(blocks, capacity_factor=-1.0)

@@ -69,8 +69,8 @@ def experts(axis: str = "expert") -> ExpertsRule:
 
     **Returns:**
 
-    A `Rule`, to pass as a `spec` (`filter_shard`, `filter_init`, `filter_plan`,
-    `describe`, `filter_jit`), also inside `first(...)`.
+    A `Rule`, to pass as a `spec` (`filter_shard`, `filter_init`, `describe`, the
+    `in_shardings` of `filter_jit`), also inside `first(...)`.
 
     **Raises:**
 
