@@ -6,6 +6,8 @@ from ._checkpoint.async_save import AsyncSave as AsyncSave
 from ._checkpoint.restore import filter_restore as filter_restore
 from ._checkpoint.save import filter_save as filter_save, latest_step as latest_step
 from ._deprecated import __getattr__ as __getattr__
+from ._experts.module import Experts as Experts
+from ._experts.moe import moe as moe
 from ._mapping.jacobian import (
     filter_hessian as filter_hessian,
     filter_jacfwd as filter_jacfwd,
@@ -22,6 +24,7 @@ from ._placement.shard import filter_replicate as filter_replicate, filter_shard
 from ._plans.auto.result import Plan as Plan
 from ._plans.auto.search import auto_plan as auto_plan
 from ._plans.describe import describe as describe
+from ._plans.experts import experts as experts
 from ._plans.fsdp import fsdp as fsdp
 from ._plans.like import like as like
 from ._plans.logical import logical as logical

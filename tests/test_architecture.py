@@ -25,6 +25,9 @@ LAYERS = {
     "_sequence": 2,
     "_step": 2,
     "_pipeline": 3,
+    # A sibling of `_pipeline`: `Experts` runs inside a `Stacked` without either importing
+    # the other, and `_plans` (the `experts` rule, auto_plan) reads `Experts`.
+    "_experts": 3,
     "_plans": 4,
     "_checkpoint": 5,
     "_processes": 6,
