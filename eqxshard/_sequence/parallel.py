@@ -61,8 +61,9 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         `(T, query_size)`; batch it with `jax.vmap`), computed by `context_attention`.
 
         Differences: a query whose `mask` row is all `False` gets 0 (the original averages
-        every value); a mask per head takes the `"ring"` or `"all_gather"` strategy; dropout on the attention weights is not applied, so an active one
-        (`dropout_p > 0` and not `inference`) is an error.
+        every value); a mask per head takes the `"ring"` or `"all_gather"` strategy;
+        dropout on the attention weights is not applied, so an active one (`dropout_p > 0`
+        and not `inference`) is an error.
         """
         if deterministic is not None:
             inference = deterministic
@@ -146,8 +147,9 @@ def context_parallel(
     Differences from the original, each by `context_attention`: a query whose mask row
     is all `False` gets 0 (the original averages every value); scores are computed in
     float32; a `mask` per head `(num_heads, T, S)` takes the `"ring"` or `"all_gather"`
-    strategy (`"all_to_all"` splits the heads: an error); dropout on the attention weights is not applied, so calling a layer whose
-    dropout is active (`dropout_p > 0`, not in inference mode) raises an error.
+    strategy (`"all_to_all"` splits the heads: an error); dropout on the attention
+    weights is not applied, so calling a layer whose dropout is active (`dropout_p > 0`,
+    not in inference mode) raises an error.
 
     **Arguments:**
 
