@@ -120,6 +120,24 @@ def _is_attention(x: Any) -> bool:
     return isinstance(x, eqx.nn.MultiheadAttention)
 
 
+def convert(
+    tree: Any, *, axis: str, strategy: str, causal: bool, mesh: Mesh | AbstractMesh | None
+) -> tuple[Any, int]:
+    """`tree` with each `eqx.nn.MultiheadAttention` converted (options unchecked), and how
+    many were: `context_parallel` without its checks and warning, for a plan that
+    converts a model and its optimiser state."""
+    found = 0
+
+    def one(x: Any) -> Any:
+        nonlocal found
+        if not _is_attention(x):
+            return x
+        found += 1
+        return ContextParallelAttention(x, axis=axis, strategy=strategy, causal=causal, mesh=mesh)
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=_is_attention), found
+
+
 def context_parallel(
     model: Any,
     *,

@@ -13,6 +13,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ..._compat import spec_str
 from ..._placement.shard import filter_shard
+from ..._sequence.parallel import convert
 from ..._tree import format_bytes
 from ..plan import filter_init
 from . import choices, use, view
@@ -45,6 +46,10 @@ class Plan:
     - `pipeline`: `None`, or the pipeline chosen: `{"axis": ..., "microbatches": ...,
         "repeats": ...}`, with `"in_step": True` for a step that calls `filter_pipeline`
         itself (`jit` then runs it with the mesh set; there is no `Stacked` to configure).
+    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
+        over that mesh axis; `apply`, `shard` and `init` convert the model's (and the
+        optimiser state's) `eqx.nn.MultiheadAttention` layers by `context_parallel`, and
+        `batch_spec` splits every batch leaf's dim 1 (the sequence) over it.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
@@ -61,6 +66,7 @@ class Plan:
     remat: dict[str, str] | str
     offload: tuple[str, ...]
     pipeline: dict[str, Any] | None
+    context: dict[str, str] | None
 
     def __init__(
         self,
@@ -72,6 +78,7 @@ class Plan:
         remat: dict[str, str] | str | None = None,
         offload: tuple[str, ...] = (),
         pipeline: dict[str, Any] | None = None,
+        context: dict[str, str] | None = None,
     ):
         if isinstance(mesh, dict):
             mesh = mesh_for(mesh)
@@ -90,6 +97,7 @@ class Plan:
             remat=remat,
             offload=offload,
             pipeline=pipeline,
+            context=context,
         )
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -103,6 +111,7 @@ class Plan:
             self.remat,
             self.offload,
             self.pipeline,
+            self.context,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -138,13 +147,20 @@ class Plan:
         place = lambda tree, spec: None if tree is None else filter_shard(tree, mesh, spec)
         if model is not None:
             model = self._configured("Plan.shard", model, mesh)
-            opt_state = use.configure_like(opt_state, model)
+            opt_state = self._converted(use.configure_like(opt_state, model), mesh)
         if opt_state is not None:
             opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
         return place(model, self.rules), opt_state, place(batch, self.batch_spec)
 
     def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
-        return use.configured(verb, model, mesh, self.remat, self.pipeline)
+        model = use.configured(verb, model, mesh, self.remat, self.pipeline)
+        return self._converted(model, mesh)
+
+    def _converted(self, tree: Any, mesh: Mesh) -> Any:
+        """`tree` with its attention converted by the plan's `context` (if any)."""
+        if self.context is None or tree is None:
+            return tree
+        return convert(tree, **self.context, causal=False, mesh=mesh)[0]
 
     @property
     def _offloads_state(self) -> bool:
@@ -231,9 +247,10 @@ class Plan:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
         plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
         layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
-        `repeats=1`, circular above), then its array leaves placed by `plan.rules` over
-        `plan.mesh`. A plan without such choices only places the model (as
-        `plan.shard(model)` does).
+        `repeats=1`, circular above), its `eqx.nn.MultiheadAttention` layers converted
+        by `context_parallel` with a `context`, then its array leaves placed by
+        `plan.rules` over `plan.mesh`. A plan without such choices only places the model
+        (as `plan.shard(model)` does).
 
         **Arguments:**
 
@@ -250,7 +267,7 @@ class Plan:
             paths found are listed); `Stacked`'s and `filter_shard`'s errors.
         """
         mesh = self._concrete_mesh("apply")
-        return use.apply(model, mesh, self.rules, self.remat, self.pipeline)
+        return use.apply(self._converted(model, mesh), mesh, self.rules, self.remat, self.pipeline)
 
     def summary(self) -> str:
         c = self.chosen
@@ -267,7 +284,8 @@ class Plan:
         return (
             f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
             f"batch_spec={spec_str(self.batch_spec)}, budget={self.budget!r}, "
-            f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r})"
+            f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r}"
+            + (f", context={self.context!r})" if self.context is not None else ")")
         )
 
     def _repr_html_(self) -> str:

@@ -4,7 +4,7 @@ dimensions that chose it, and the `Plan` of the first row."""
 from __future__ import annotations
 
 from ..dimensions.base import Search
-from ..layout import batch_spec
+from ..dimensions.context import sequence_spec
 from ..meshes import mesh_for
 from ..result import Plan
 from .table import nothing_fits, ranked
@@ -22,10 +22,11 @@ def rank(search: Search) -> Plan:
     return Plan(
         mesh=mesh_for(chosen.mesh_shape, traced.available),
         rules=chosen.rules,
-        batch_spec=batch_spec(chosen.mesh_shape),
+        batch_spec=sequence_spec(chosen.mesh_shape),
         table=table,
         budget=traced.budget,
         offload=chosen.offload,
         remat=chosen.remat,
         pipeline=chosen.pipeline,
+        context=chosen.context,
     )
