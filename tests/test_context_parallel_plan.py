@@ -68,6 +68,9 @@ def test_a_budget_only_a_split_sequence_meets_gets_a_context_axis(searched):
     assert "less than the smallest unsplit layout" in row.reason
     assert "keys and values passed round send" in row.reason
     assert row.collectives["collective-permute"] > 0
+    left_out = [c for c in plan.table if c.name == "DP x context"]
+    assert [c.mesh_shape for c in left_out] == [{"data": 2, "context": 2}]
+    assert "the batch of 1 does not split over 2 devices (data)" in left_out[0].reason
     assert eval(repr(plan), {"Plan": eqxshard.Plan, "P": P, **vars(eqxshard)}) == plan
 
     tokens = jax.random.randint(jax.random.key(1), (1, T), 0, VOCAB)

@@ -4,6 +4,7 @@ compute the same with the sequence split over a mesh axis."""
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 import warnings
 from typing import Any
 
@@ -90,7 +91,13 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
             q, k, v = process_heads(q, k, v)
             if (q.shape, k.shape, v.shape) != shapes:
                 raise ValueError("process_heads must not change the shape of the heads.")
-        attend = dict(causal=self.causal, mesh=self.mesh, axis=self.axis, strategy=self.strategy)
+        attend = ft.partial(
+            context_attention,
+            causal=self.causal,
+            mesh=self.mesh,
+            axis=self.axis,
+            strategy=self.strategy,
+        )
         if mask is not None and jnp.ndim(mask) == 3:  # one mask per head: heads lead
             if self.strategy == "all_to_all":
                 raise ValueError(
@@ -99,10 +106,10 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
                     f"(T, S) shared by the heads, or convert with `strategy='ring'`."
                 )
             heads = [jnp.moveaxis(x, 1, 0)[:, :, None, :] for x in (q, k, v)]
-            out = context_attention(*heads, mask=mask, **attend)
+            out = attend(*heads, mask=mask)
             out = jnp.moveaxis(out[:, :, 0, :], 0, 1)
         else:
-            out = context_attention(q, k, v, mask=mask, **attend)
+            out = attend(q, k, v, mask=mask)
         return jax.vmap(self.output_proj)(out.reshape(query.shape[0], -1))
 
     def _check_dropout(self, inference: bool | None) -> None:

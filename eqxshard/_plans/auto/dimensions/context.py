@@ -7,7 +7,9 @@ compiled with the model converted (`context_parallel`, the ring strategy) and ev
 leaf laid out `P(data, "context")` (its dim 1 the sequence); each row says what the split
 saves against the smallest unsplit row and what its collectives send. The chosen row's
 `context` (`{"axis": "context", "strategy": "ring"}`) is what `Plan.apply` converts by.
-Parameters are replicated on these meshes (no `fsdp` or `model` axis beside `context`).
+Parameters are replicated on these meshes (no `fsdp` or `model` axis beside `context`),
+and meshes above `compile_limit` are not weighed (their rows say so): no smaller mesh
+stands in for them yet.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from ...._sequence.parallel import convert
 from ...._tree import format_bytes, is_array_like
 from ...rules import as_rule
-from ..candidate import Candidate
+from ..candidate import Candidate, not_compiled
 from ..layout import Layout, batch_spec
 from ..measure import jobs
 from ..measure.compiled import step_arguments
@@ -60,15 +62,22 @@ def _leaves(tree: Any) -> list[Any]:
     return [x for x in jax.tree.leaves(tree, is_leaf=is_array_like) if is_array_like(x)]
 
 
-def shapes(devices: int, batch: int, length: int) -> list[dict[str, int]]:
-    """The meshes with a `context` axis: `data x context` for each split of the devices,
-    where the batch splits over `data` and the sequence over `context`."""
+def shapes(devices: int, batch: int, length: int) -> list[tuple[dict[str, int], str]]:
+    """The meshes with a `context` axis, `data x context` for each split of the devices,
+    each with why it cannot run (`""` where the batch splits over `data` and the
+    sequence over `context`)."""
     out = []
     for context in range(2, devices + 1):
-        if devices % context or length % context or batch % (devices // context):
+        if devices % context:
             continue
         data = devices // context
-        out.append({"data": data, AXIS: context} if data > 1 else {AXIS: context})
+        shape = {"data": data, AXIS: context} if data > 1 else {AXIS: context}
+        why = ""
+        if length % context:
+            why = f"the sequence of {length} does not split over {context} devices ({AXIS})"
+        elif batch % data:
+            why = f"the batch of {batch} does not split over {data} devices (data)"
+        out.append((shape, why))
     return out
 
 
@@ -113,17 +122,22 @@ class Context(Dimension):
     def refine(self, search: Search) -> Measured:
         traced, measured = search.traced, search.measured
         length = _sequence_length(traced.problem.batch)
-        if traced.own is not None or length is None or traced.devices > traced.reach:
+        if traced.own is not None or length is None:
             return measured
         problem, count = converted(traced.problem)
         if not count:
             return measured
         problem_key = (traced.problem_key, AXIS, STRATEGY)
-        todo = []
-        for shape in shapes(traced.devices, traced.batch_size, length):
+        todo, left_out = [], []
+        for shape, why in shapes(traced.devices, traced.batch_size, length):
             name = "DP x context" if "data" in shape else "context"
             layout = Layout(name, shape, as_rule(P(), "auto_plan"))
-            todo.append(self._laid_out(search, problem, layout))
+            if traced.devices > traced.reach:
+                why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
+            if why:
+                left_out.append(search.with_choices(not_compiled(layout, why), layout))
+            else:
+                todo.append(self._laid_out(search, problem, layout))
         compile_ = [job for job in todo if job.placed is not None]
         jobs.measure_all(
             problem, problem_key, compile_, local=traced.local, progress=traced.progress
@@ -131,7 +145,7 @@ class Context(Dimension):
         unsplit = [c for c in measured.rows if c.total_bytes is not None and c.time is not None]
         smallest = min(unsplit, key=lambda c: c.total_bytes or 0, default=None)
         rows = [_described(search.row(job), smallest) for job in todo]
-        return Measured(measured.jobs, measured.rows + tuple(rows))
+        return Measured(measured.jobs, measured.rows + tuple(rows + left_out))
 
     @staticmethod
     def _laid_out(search: Search, problem: Problem, layout: Layout) -> jobs.Job:
