@@ -78,6 +78,9 @@ def test_a_budget_only_a_split_sequence_meets_gets_a_context_axis(searched):
     split, split_state, laid_out = plan.shard(model, state, tokens)
     assert isinstance(split.attention, ContextParallelAttention)
     assert isinstance(plan.apply(model).attention, ContextParallelAttention)
+    born, _ = plan.init(Tiny, OPTIMISER)(jax.random.key(0))
+    assert isinstance(born.attention, ContextParallelAttention)
+    assert born.attention.mesh is plan.mesh
     train = plan.jit(step, donate=False)
     memory = train.lower(split, split_state, laid_out).compile().memory_analysis()
     used = memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
@@ -99,3 +102,11 @@ def test_a_generous_budget_gets_no_context_axis(searched):
     assert tight.chosen.total_bytes < min(
         c.total_bytes for c in tight.table if c.context is None and c.total_bytes
     )
+
+
+@pytest.mark.parametrize(
+    "context", ["ring", {"axis": "context"}, {"axis": "context", "strategy": "tree"}]
+)
+def test_a_bad_plan_context_is_a_clear_error(context):
+    with pytest.raises(ValueError, match=r"`Plan` takes `context` as None or a dict"):
+        eqxshard.Plan({"context": 4}, P(), P(None, "context"), context=context)

@@ -97,7 +97,7 @@ class Plan:
             remat=remat,
             offload=offload,
             pipeline=pipeline,
-            context=context,
+            context=choices.check_context(context),
         )
         for name, value in values.items():
             object.__setattr__(self, name, value)
