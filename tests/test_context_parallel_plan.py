@@ -110,3 +110,20 @@ def test_a_generous_budget_gets_no_context_axis(searched):
 def test_a_bad_plan_context_is_a_clear_error(context):
     with pytest.raises(ValueError, match=r"`Plan` takes `context` as None or a dict"):
         eqxshard.Plan({"context": 4}, P(), P(None, "context"), context=context)
+
+
+def test_the_context_meshes_and_the_batch_spec_on_them():
+    from eqxshard._plans.auto.dimensions import context
+
+    assert context.shapes(8, 4, 64) == [
+        ({"data": 4, "context": 2}, ""),
+        ({"data": 2, "context": 4}, ""),
+        ({"context": 8}, ""),
+    ]
+    assert context.shapes(4, 1, 6) == [
+        ({"data": 2, "context": 2}, "the batch of 1 does not split over 2 devices (data)"),
+        ({"context": 4}, "the sequence of 6 does not split over 4 devices (context)"),
+    ]
+    assert context.sequence_spec({"data": 2, "context": 4}) == P("data", "context")
+    assert context.sequence_spec({"context": 4}) == P(None, "context")
+    assert context.sequence_spec({"data": 8}) == P("data")
