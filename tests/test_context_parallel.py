@@ -38,6 +38,8 @@ def test_one_layer_matches_the_original(strategy: str):
     assert isinstance(split, ContextParallelAttention)
     assert isinstance(split, eqx.nn.MultiheadAttention)
     assert _paths(split) == _paths(attention)
+    again = eqxshard.context_parallel(split, strategy="all_gather", mesh=mesh)
+    assert type(again) is ContextParallelAttention and again.strategy == "all_gather"
     x = jax.random.normal(jax.random.key(1), (3, T, E))
     mask = jax.random.bernoulli(jax.random.key(2), 0.6, (T, T)).at[:, 0].set(True)
     heads = jax.random.bernoulli(jax.random.key(3), 0.6, (HEADS, T, T)).at[:, :, 0].set(True)
