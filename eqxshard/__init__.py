@@ -36,6 +36,7 @@ from ._plans.stages import stages as stages
 from ._processes.initialize import initialize as initialize
 from ._processes.setup_check import check_setup as check_setup
 from ._sequence.attention import context_attention as context_attention
+from ._sequence.parallel import context_parallel as context_parallel
 from ._shard_map.shard_map import filter_shard_map as filter_shard_map
 from ._step.describe_step import describe_step as describe_step
 from ._step.jit import filter_jit as filter_jit

@@ -11,7 +11,9 @@ axis) and the pieces it runs in order:
 - `gather`: the `"all_gather"` strategy (every key and value gathered);
 - `ring`: the `"ring"` strategy (key/value blocks passed round by `ppermute`, its own
   backward pass going round again), with `zigzag`: the causal layout that balances work.
-- `ulysses`: the `"all_to_all"` strategy (heads and sequence exchanged).
+- `ulysses`: the `"all_to_all"` strategy (heads and sequence exchanged);
+- `parallel`: `context_parallel`, a model's `eqx.nn.MultiheadAttention` layers swapped for
+  a subclass (same fields, same call) whose core is `context_attention`.
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._placement` and this folder;
 never a sibling on its layer (`_mapping`, `_shard_map`, `_step`) or anything above.

@@ -40,6 +40,8 @@ class Candidate:
         link takes `host_time` seconds per step (part of `time`).
     - `remat`: the rematerialisation policy of each `Stacked` layer by path (`{}`: none).
     - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
+    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
+        over that axis, the model's attention converted by `context_parallel`.
     """
 
     rank: int
@@ -61,6 +63,7 @@ class Candidate:
     host_time: float = 0.0
     remat: dict[str, str] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
+    context: dict[str, str] | None = None
 
 
 def not_compiled(layout: Any, reason: str, **fields: Any) -> Candidate:

@@ -62,3 +62,25 @@ def _offload(offload: Any, pipeline: Any) -> tuple[str, ...]:
                 f"`filter_pipeline` itself, but got {pipeline!r}."
             )
     return tuple(dict.fromkeys(offload))
+
+
+CONTEXT_STRATEGIES = ("ring", "all_gather", "all_to_all")
+
+
+def check_context(context: Any) -> dict[str, str] | None:
+    """A plan's `context` as stored; raises for any bad value."""
+    if context is None:
+        return None
+    good = (
+        isinstance(context, dict)
+        and set(context) == {"axis", "strategy"}
+        and isinstance(context["axis"], str)
+        and context["strategy"] in CONTEXT_STRATEGIES
+    )
+    if not good:
+        raise ValueError(
+            "`Plan` takes `context` as None or a dict {'axis': mesh axis name, 'strategy': "
+            f"one of {', '.join(map(repr, CONTEXT_STRATEGIES))}}} (e.g. `{{'axis': 'context', "
+            f"'strategy': 'ring'}}`), but got {context!r}."
+        )
+    return dict(context)

@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ..._compat import spec_str
 from ..._placement.shard import filter_shard
+from ..._sequence.parallel import convert
 from ..._tree import format_bytes
 from ..pipeline_choice import Pipeline, from_plan_argument
 from ..plan import filter_init
@@ -49,6 +50,10 @@ class Plan:
         `filter_pipeline` itself (`jit` then runs it with the mesh set; there is no
         `Stacked` to configure). A dict with those keys (what older `repr(plan)`s wrote) is
         still read, with a `DeprecationWarning`.
+    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
+        over that mesh axis; `apply`, `shard` and `init` convert the model's (and the
+        optimiser state's) `eqx.nn.MultiheadAttention` layers by `context_parallel`, and
+        `batch_spec` splits every batch leaf's dim 1 (the sequence) over it.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
@@ -65,6 +70,7 @@ class Plan:
     remat: dict[str, str] | str
     offload: tuple[str, ...]
     pipeline: Pipeline | None
+    context: dict[str, str] | None
 
     def __init__(
         self,
@@ -76,6 +82,7 @@ class Plan:
         remat: dict[str, str] | str | None = None,
         offload: tuple[str, ...] = (),
         pipeline: Pipeline | dict[str, Any] | None = None,
+        context: dict[str, str] | None = None,
     ):
         if isinstance(mesh, dict):
             mesh = mesh_for(mesh)
@@ -96,6 +103,7 @@ class Plan:
             remat=remat,
             offload=offload,
             pipeline=pipeline,
+            context=choices.check_context(context),
         )
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -109,6 +117,7 @@ class Plan:
             self.remat,
             self.offload,
             self.pipeline,
+            self.context,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -164,7 +173,7 @@ class Plan:
         mesh = self._concrete_mesh("shard")
         if model is not None:
             model = self._laid_out("Plan.shard", model, mesh)
-            opt_state = use.configure_like(opt_state, model)
+            opt_state = self._converted(use.configure_like(opt_state, model), mesh)
         if opt_state is not None:
             opt_state = use.place_state(opt_state, mesh, self.rules, self._offloads_state)
         batch = None if batch is None else filter_shard(batch, mesh, self.batch_spec)
@@ -175,7 +184,14 @@ class Plan:
         return filter_shard(self._configured(verb, model, mesh), mesh, self.rules)
 
     def _configured(self, verb: str, model: Any, mesh: Mesh) -> Any:
-        return use.configured(verb, model, mesh, self.remat, self._pipeline_options)
+        model = use.configured(verb, model, mesh, self.remat, self._pipeline_options)
+        return self._converted(model, mesh)
+
+    def _converted(self, tree: Any, mesh: Mesh) -> Any:
+        """`tree` with its attention converted by the plan's `context` (if any)."""
+        if self.context is None or tree is None:
+            return tree
+        return convert(tree, **self.context, causal=False, mesh=mesh)[0]
 
     @property
     def _pipeline_options(self) -> dict[str, Any] | None:
@@ -268,9 +284,10 @@ class Plan:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the
         plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
         layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
-        `repeats=1`, circular above), then its array leaves placed by `plan.rules` over
-        `plan.mesh`. A plan without such choices only places the model. `shard` lays out
-        the optimiser state and the batch too (its model is this one).
+        `repeats=1`, circular above), its `eqx.nn.MultiheadAttention` layers converted
+        by `context_parallel` with a `context`, then its array leaves placed by
+        `plan.rules` over `plan.mesh`. A plan without such choices only places the model.
+        `shard` lays out the optimiser state and the batch too (its model is this one).
 
         **Arguments:**
 
@@ -304,6 +321,7 @@ class Plan:
             f"remat {self.remat!r}" if self.remat else "",
             f"offload {', '.join(self.offload)}" if self.offload else "",
             f"pipeline over {self.pipeline.axis!r}" if self.pipeline else "",
+            f"sequence over {self.context['axis']!r}" if self.context else "",
         ]
         said = "".join(f", {m}" for m in more if m)
         return (
@@ -321,7 +339,8 @@ class Plan:
         return (
             f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
             f"batch_spec={spec_str(self.batch_spec)}, budget={self.budget!r}, "
-            f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r})"
+            f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r}"
+            + (f", context={self.context!r})" if self.context is not None else ")")
         )
 
     def _repr_html_(self) -> str:

@@ -10,9 +10,10 @@ dimension is a module with a `Dimension` subclass, and one line here.
 from __future__ import annotations
 
 from .base import Dimension
+from .context import Context
 from .data_fsdp_tensor import DataFsdpTensor
 from .offload import Offload
 from .remat.dimension import Remat
 from .stage.dimension import Stage
 
-DIMENSIONS: tuple[Dimension, ...] = (DataFsdpTensor(), Stage(), Offload(), Remat())
+DIMENSIONS: tuple[Dimension, ...] = (DataFsdpTensor(), Stage(), Offload(), Remat(), Context())

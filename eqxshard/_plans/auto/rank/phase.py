@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...pipeline_choice import of_options
 from ..dimensions.base import Search
-from ..layout import batch_spec
+from ..dimensions.context import sequence_spec
 from ..meshes import mesh_for
 from ..result import Plan
 from .table import nothing_fits, ranked
@@ -23,10 +23,11 @@ def rank(search: Search) -> Plan:
     return Plan(
         mesh=mesh_for(chosen.mesh_shape, traced.available),
         rules=chosen.rules,
-        batch_spec=batch_spec(chosen.mesh_shape),
+        batch_spec=sequence_spec(chosen.mesh_shape),
         table=table,
         budget=traced.budget,
         offload=chosen.offload,
         remat=chosen.remat,
         pipeline=of_options(chosen.pipeline),
+        context=chosen.context,
     )

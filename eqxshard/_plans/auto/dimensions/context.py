@@ -1,0 +1,166 @@
+"""The context dimension: a `context` mesh axis splitting the sequence (context
+parallelism) of a model whose attention `context_parallel` converts (its
+`eqx.nn.MultiheadAttention` layers), over `context` alone or `data x context`.
+
+It refines: once the other layouts are measured, each mesh with a `context` axis is
+compiled with the model converted (`context_parallel`, the ring strategy) and every batch
+leaf laid out `P(data, "context")` (its dim 1 the sequence); each row says what the split
+saves against the smallest unsplit row and what its collectives send. The chosen row's
+`context` (`{"axis": "context", "strategy": "ring"}`) is what `Plan.apply` converts by.
+Parameters are replicated on these meshes (no `fsdp` or `model` axis beside `context`),
+and meshes above `compile_limit` are not weighed (their rows say so): no smaller mesh
+stands in for them yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import PartitionSpec as P
+
+from ...._sequence.parallel import convert
+from ...._tree import format_bytes, is_array_like
+from ...rules import as_rule
+from ..candidate import Candidate, not_compiled
+from ..layout import Layout, batch_spec
+from ..measure import jobs
+from ..measure.compiled import step_arguments
+from ..meshes import mesh_for
+from ..trace.problem import Problem
+from ..view import mesh_str
+from .base import Dimension, Measured, Search
+
+AXIS = "context"
+STRATEGY = "ring"
+
+
+def options(shape: dict[str, int]) -> dict[str, str] | None:
+    """A plan's `context` for a mesh of `shape`: how `Plan.apply` converts the model."""
+    return {"axis": AXIS, "strategy": STRATEGY} if shape.get(AXIS, 1) > 1 else None
+
+
+def sequence_spec(shape: dict[str, int]) -> P:
+    """The spec of every batch leaf on a mesh of `shape`: its leading dim over the data
+    axes and, with a `context` axis, its dim 1 (the sequence) over it."""
+    spec = batch_spec(shape)
+    if options(shape) is None:
+        return spec
+    return P(spec[0] if len(spec) else None, AXIS)
+
+
+def _sequence_length(batch: Any) -> int | None:
+    """Dim 1 of every batch leaf, when they all have one and agree."""
+    lengths = {x.shape[1] if len(x.shape) > 1 else None for x in _leaves(batch)}
+    if len(lengths) != 1:
+        return None
+    return lengths.pop()
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_array_like) if is_array_like(x)]
+
+
+def shapes(devices: int, batch: int, length: int) -> list[tuple[dict[str, int], str]]:
+    """The meshes with a `context` axis, `data x context` for each split of the devices,
+    each with why it cannot run (`""` where the batch splits over `data` and the
+    sequence over `context`)."""
+    out = []
+    for context in range(2, devices + 1):
+        if devices % context:
+            continue
+        data = devices // context
+        shape = {"data": data, AXIS: context} if data > 1 else {AXIS: context}
+        why = ""
+        if length % context:
+            why = f"the sequence of {length} does not split over {context} devices ({AXIS})"
+        elif batch % data:
+            why = f"the batch of {batch} does not split over {data} devices (data)"
+        out.append((shape, why))
+    return out
+
+
+def converted(problem: Problem) -> tuple[Problem, int]:
+    """`problem` with the model's (and the optimiser state's) attention converted, and
+    how many layers were."""
+    model, count = convert(problem.model, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None)
+    state = problem.opt_state
+    if state is not None:
+        state, _ = convert(state, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None)
+    return dataclasses.replace(problem, model=model, opt_state=state), count
+
+
+def _described(c: Candidate, unsplit: Candidate | None) -> Candidate:
+    """`c` saying what the split saves and what its collectives cost."""
+    sent = c.collectives.get("collective-permute", 0)
+    said = f"sequence split {c.mesh_shape[AXIS]} ways over `{AXIS}` ({STRATEGY})"
+    if c.total_bytes is not None and unsplit is not None and unsplit.total_bytes is not None:
+        saved = unsplit.total_bytes - c.total_bytes
+        where = f"{unsplit.name} on {mesh_str(unsplit.mesh_shape)}"
+        said += (
+            f": {format_bytes(abs(saved))} per device {'less' if saved >= 0 else 'more'} "
+            f"than the smallest unsplit layout ({where})"
+        )
+    if c.time is not None:
+        said += f"; keys and values passed round send {format_bytes(sent)} per device"
+        total = sum(c.collectives.values())
+        if total > sent:
+            said += f" ({format_bytes(total)} with the other collectives)"
+    return dataclasses.replace(c, reason=f"{c.reason}; {said}" if c.reason else said)
+
+
+class Context(Dimension):
+    """A `context` axis for models with `eqx.nn.MultiheadAttention`: the sequence split,
+    weighed once the other layouts are measured (see the module's docstring)."""
+
+    name = "context"
+
+    def choices(self, layout: Layout) -> dict[str, Any]:
+        return {"context": options(layout.shape)}
+
+    def refine(self, search: Search) -> Measured:
+        traced, measured = search.traced, search.measured
+        length = _sequence_length(traced.problem.batch)
+        if traced.own is not None or length is None:
+            return measured
+        problem, count = converted(traced.problem)
+        if not count:
+            return measured
+        problem_key = (traced.problem_key, AXIS, STRATEGY)
+        todo, left_out = [], []
+        for shape, why in shapes(traced.devices, traced.batch_size, length):
+            name = "DP x context" if "data" in shape else "context"
+            layout = Layout(name, shape, as_rule(P(), "auto_plan"))
+            if traced.devices > traced.reach:
+                why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
+            if why:
+                left_out.append(search.with_choices(not_compiled(layout, why), layout))
+            else:
+                todo.append(self._laid_out(search, problem, layout))
+        compile_ = [job for job in todo if job.placed is not None]
+        jobs.measure_all(
+            problem, problem_key, compile_, local=traced.local, progress=traced.progress
+        )
+        unsplit = [c for c in measured.rows if c.total_bytes is not None and c.time is not None]
+        smallest = min(unsplit, key=lambda c: c.total_bytes or 0, default=None)
+        rows = [_described(search.row(job), smallest) for job in todo]
+        return Measured(measured.jobs, measured.rows + tuple(rows + left_out))
+
+    @staticmethod
+    def _laid_out(search: Search, problem: Problem, layout: Layout) -> jobs.Job:
+        """`layout` laid out with the converted model, the batch's sequence over `context`,
+        and the mesh set while the step traces (the converted layers find it there)."""
+        traced = search.traced
+        mesh = mesh_for(layout.shape, traced.available)
+        spec = sequence_spec(layout.shape)
+        try:
+            placed = step_arguments(problem, mesh, layout.rules, problem.batch, spec)
+        except (ValueError, TypeError) as e:
+            return jobs.Job(layout, {}, rejected=" ".join(str(e).split())[:300])
+        placed = dataclasses.replace(placed, mesh_set=mesh)
+        exact = {"parameters": placed.parameters}
+        if problem.trains:
+            exact |= {"gradients": placed.gradients, "optimizer state": placed.opt_state}
+        exact["batch"] = placed.batch
+        return jobs.Job(layout, exact, dict(layout.shape), placed)
