@@ -12,7 +12,8 @@ passing the next a named record:
   `refine` (variants of measured layouts) are phases. `data_fsdp_tensor` (the mesh
   factorisations and rule families; `tensor_parallel`: the TP rule from the model's
   shapes), `stage/` (a pipeline's stage axis), `offload` (optimiser state in host
-  memory), `remat/` (remat policies for `Stacked` layers).
+  memory), `remat/` (remat policies for `Stacked` layers), `context` (the sequence split
+  over a `context` axis).
 - `measure/`: each layout compiled and read (`phase.measure` -> `Search`): `jobs` (laid
   out, compiled here or in a subprocess: `compile_remote`, `compile_worker`), `compiled`
   (the step as compiled, its `Measurement`), `collectives` and `host_memory` (read from

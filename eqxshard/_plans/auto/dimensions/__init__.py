@@ -8,7 +8,9 @@
 - `stage/`: a pipeline's stage axis.
 - `offload`: the optimiser state in pinned host memory.
 - `remat/`: remat policies for the model's `Stacked` layers.
+- `context`: the sequence split over a `context` axis (`context_parallel`), weighed as a
+  refinement of the measured layouts.
 
-A new dimension (sequence, experts) is a module with a `Dimension` subclass and a line
+A new dimension (experts, say) is a module with a `Dimension` subclass and a line
 in `registry`.
 """
