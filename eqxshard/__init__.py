@@ -17,7 +17,7 @@ from ._pipeline.stacked.stacked import Stacked as Stacked
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard
-from ._plans.auto.candidate import Candidate as Candidate
+from ._plans.auto.candidate import Candidate as Candidate, NothingFits as NothingFits
 from ._plans.auto.links import LINKS as LINKS, Link as Link
 from ._plans.auto.result import Plan as Plan
 from ._plans.auto.search import auto_plan as auto_plan
