@@ -6,6 +6,8 @@ work each device does, and what XLA replicates."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +41,12 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
     The step does not run: it is lowered and compiled for these arguments (laid out as
     `in_shardings` asks first, as a call would; JAX's compile cache then spares a later
     call the compile).
+
+    It is the call that gives a step's whole footprint on each device, what to size a
+    budget by (`eqxshard.describe` counts the leaves of a tree only):
+    `report.total_bytes`, and `report.footprint()` by part: each argument (the model,
+    the optimiser state, the batch), the outputs that do not reuse a donated input, and
+    the temporaries (the gradients and activations among them).
 
     **Arguments:**
 
@@ -180,6 +188,13 @@ class StepLeaf:
     compiled: Sharding | None
 
     @property
+    def bytes_per_device(self) -> int:
+        """Its bytes on one device, in the layout compiled (or asked; whole without)."""
+        sharding = self.compiled or self.asked
+        shape = self.shape if sharding is None else sharding.shard_shape(self.shape)
+        return math.prod(shape) * _itemsize(self.dtype)
+
+    @property
     def differs(self) -> bool:
         """Whether XLA compiled another layout than the one asked."""
         if self.asked is None or self.compiled is None:
@@ -202,6 +217,9 @@ class StepReport:
     - `pinned`: the ops XLA runs on one device and replicates the result of on every
         device (host callbacks such as `eqx.error_if`), each a `PinnedOp` with `source`,
         `op_name` and the `shapes` replicated.
+    - `total_bytes` (a property): bytes per device of the whole step: arguments and
+        outputs (less the outputs that reuse a donated argument's buffer) and temporaries;
+        `None` where the backend does not say.
     """
 
     inputs: list[StepLeaf]
@@ -211,6 +229,35 @@ class StepReport:
     flops: float | None
     memory: dict[str, int]
     pinned: list[PinnedOp]
+
+    @property
+    def total_bytes(self) -> int | None:
+        m = self.memory
+        if not m:
+            return None
+        return m["argument"] + m["output"] - m["alias"] + m["temp"]
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes per device by part, adding up to `total_bytes`: each argument's leaves
+        (`args[0]`, `args[1]`, ..., `kwargs['x']`), `outputs` (those that do not reuse a
+        donated argument's buffer), `temporaries` (the gradients, the activations and
+        every other buffer the step holds while it runs) and, where the compiled
+        arguments differ from their leaves' sum (padding), `other`. Empty where the
+        backend does not say."""
+        total = self.total_bytes
+        if total is None:
+            return {}
+        parts: dict[str, int] = {}
+        for leaf in self.inputs:
+            found = _ARGUMENT.match(leaf.path)
+            name = found.group(0) if found else leaf.path
+            parts[name] = parts.get(name, 0) + leaf.bytes_per_device
+        parts["outputs"] = self.memory["output"] - self.memory["alias"]
+        parts["temporaries"] = self.memory["temp"]
+        other = total - sum(parts.values())
+        if other:
+            parts["other"] = other
+        return parts
 
     @property
     def work_fraction(self) -> float | None:
@@ -277,7 +324,11 @@ class StepReport:
         lines.append(self._work())
         if self.memory:
             held = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
-            lines.append(f"Bytes per device: {held}.")
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.footprint().items())
+            lines.append(
+                f"Bytes per device: {format_bytes(self.total_bytes or 0)} in all ({parts}; "
+                f"temporaries hold the gradients and activations); memory_analysis: {held}."
+            )
         lines.extend(self.problems())
         return "\n".join(lines)
 
@@ -290,6 +341,17 @@ class StepReport:
             f"{self.devices} devices; each does {self.work_fraction:.1%} of the step's "
             f"{_flops_str(self.flops)} (an even split: {1 / self.devices:.1%})."
         )
+
+
+# The argument a leaf's path starts with: `args[0]`, `kwargs['x']`.
+_ARGUMENT = re.compile(r"(args|kwargs)\[[^\]]*\]")
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return jax.numpy.dtype(dtype).itemsize
+    except TypeError:  # a key array's dtype (`key<fry>`): its data's
+        return 8
 
 
 def _layout(sharding: Any) -> str:

@@ -159,8 +159,9 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Noth
         floor = smallest.total_bytes or 0
         return NothingFits(
             f"{message}\n\nEvery layout was over budget before its activations, so none "
-            f"was compiled: each needs more than {budget_str(floor)} per device (a budget "
-            "above that compiles those under it).",
+            f"was compiled: the least of them needs {format_bytes(floor)} per device before "
+            "its activations (a budget above that compiles the closest, and names the least "
+            "budget that fits).",
             table,
             None,
         )
