@@ -18,7 +18,7 @@ from .._compat import spec_str
 from .._tree import Flat, format_bytes, is_array_like, pathstr, shape_str
 from . import layouts as _layouts
 from .entry import output as _output
-from .jit import JitWrapper, filter_jit
+from .jit import JitWrapper, Lowered, filter_jit
 from .leaves import call_path
 from .pinned import FIX, PinnedOp, pinned_ops
 
@@ -51,7 +51,8 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
     **Arguments:**
 
     - `step`: a function wrapped by `eqxshard.filter_jit` (its layouts, donation and
-        mesh are used), or any other function (wrapped by `filter_jit()` with none).
+        mesh are used); a step from `Plan.jit` (the `filter_jit` it runs for these
+        arguments); or any other function (wrapped by `filter_jit()` with none).
     - `*args`, `**kwargs`: the arguments of a call, e.g. the model, optimiser state and
         batch, as arrays (not `jax.ShapeDtypeStruct`s: `filter_jit` holds those static).
 
@@ -90,8 +91,7 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
             f"`describe_step` takes a function (a `filter_jit` step), but got "
             f"{type(step).__name__}."
         )
-    wrapper: Any = step if isinstance(step, JitWrapper) else filter_jit(step)
-    lowered = wrapper.lower(*args, **kwargs)
+    wrapper, lowered = _lowered(step, args, kwargs)
     compiled = lowered.compile().compiled
     return StepReport(
         inputs=_inputs(wrapper, lowered, compiled, args, kwargs),
@@ -102,6 +102,20 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
         memory=_memory(compiled),
         pinned=pinned_ops(compiled.as_text()),
     )
+
+
+def _lowered(step: Any, args: tuple, kwargs: dict) -> tuple[JitWrapper, Lowered]:
+    """The `filter_jit` wrapper `step` runs for these arguments, and its call lowered: its
+    own; that of a step whose `lower` gives a `filter_jit` call's (`Plan.jit`'s, which
+    picks one by the arguments); else a `filter_jit()` of `step`."""
+    if isinstance(step, JitWrapper):
+        return step, step.lower(*args, **kwargs)
+    if not isinstance(step, jax.stages.Wrapped) and callable(getattr(step, "lower", None)):
+        lowered = step.lower(*args, **kwargs)
+        if isinstance(lowered, Lowered):
+            return lowered.wrapper, lowered
+    wrapper = filter_jit(step)
+    return wrapper, wrapper.lower(*args, **kwargs)
 
 
 def _inputs(wrapper: Any, lowered: Any, compiled: Any, args: tuple, kwargs: dict) -> list:

@@ -171,6 +171,8 @@ def assign_keys(problem_key: ProblemKey, jobs: list[Job], local: int) -> None:
                 found = disk.load(job.entry)
                 if found is not None:
                     CACHE[job.key] = found
+            elif not job.entry.exists():  # compiled before this folder was given
+                disk.store(job.entry, CACHE[job.key])
         count = math.prod(job.compile_shape.values())
         job.where = (
             "compiled here"

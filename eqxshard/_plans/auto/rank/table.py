@@ -167,7 +167,10 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Noth
         )
     least = min(c.total_bytes or 0 for c in compiled)
     closest = sorted(compiled, key=lambda c: c.total_bytes or 0)[:CLOSEST_SHOWN]
-    shown = f"The {len(closest)} closest of {len(table)} rows (all in the error's `table`):"
+    shown = (
+        f"The closest compiled layouts ({len(closest)} of the {len(table)} rows, all in the "
+        "error's `table`):"
+    )
     return NothingFits(
         f"{message}\n\nThe least budget that fits: {budget_str(least)} "
         f"(`budget={least}`, the error's `smallest_budget`; the compiles are "
