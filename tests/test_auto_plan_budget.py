@@ -110,11 +110,18 @@ def test_nothing_fits_carries_the_table_and_the_least_budget(generous, compiles)
     assert again.chosen.name == "TP"
 
 
-def test_nothing_compiled_says_the_floor_and_has_no_least_budget():
-    with pytest.raises(eqxshard.NothingFits, match="none was compiled") as caught:
+def test_layouts_ruled_out_before_a_compile_are_compiled_to_tell_the_least_budget(generous):
+    # At 20 KiB every layout's parameters and state alone are over: each is compiled
+    # anyway (as under a generous budget; here from the cache), so the table is whole.
+    with pytest.raises(eqxshard.NothingFits, match="The least budget that fits") as caught:
         _search("20KiB")
-    assert caught.value.smallest_budget is None and len(caught.value.table) == 3
-    assert "the least of them needs 100.0 KiB per device" in str(caught.value)
+    error = caught.value
+    assert all(c.total_bytes is not None and c.time is not None for c in error.table)
+    assert sorted(c.total_bytes or 0 for c in error.table) == sorted(
+        c.total_bytes or 0 for c in generous.table
+    )
+    assert error.smallest_budget == min(c.total_bytes or 0 for c in generous.table)
+    assert all(c.reason.startswith("over budget by") for c in error.table)
 
 
 # 3. The disk cache.

@@ -3,6 +3,7 @@ chosen by compiling the user's own step under every candidate layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from jax.sharding import AbstractMesh
 
 from .dimensions import registry
+from .dimensions.base import Measured, Search
 from .dimensions.propose import propose
 from .dimensions.refine import refine
 from .links import DEFAULT_FLOPS
@@ -33,6 +35,9 @@ PHASES = (
 # Meshes of up to this many devices are compiled (here, or in a subprocess with that many
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
 COMPILE_LIMIT = 64
+
+# The budget a search weighs every layout under in full, to tell the least that fits.
+UNBOUNDED = 2**62
 
 
 def auto_plan(
@@ -187,4 +192,37 @@ def auto_plan(
     search = scale(search, proposal)
     # Offload and remat vary the measured layouts that are over budget.
     search = refine(search)
+    # Where nothing fits, the layouts ruled out before a compile are compiled too: the
+    # error then names the least budget that fits, with every layout's figures.
+    search = every_footprint(search)
     return rank(search)
+
+
+def every_footprint(search: Search) -> Search:
+    """`search` unchanged where a layout fits, or where each layout its budget ruled out
+    before a compile needs (by the parts known) no less than the smallest compiled
+    footprint; else with those layouts' rows from a search without a budget (as one with
+    a generous budget would compile them), each still over `search`'s budget."""
+    rows = search.measured.rows
+    if any(c.fits for c in rows):
+        return search
+    least = min((c.total_bytes for c in rows if c.time is not None and c.total_bytes), default=None)
+    hidden = {
+        (c.name, tuple(c.mesh_shape.items()))
+        for c in rows
+        if c.time is None and c.total_bytes is not None and (least is None or c.total_bytes < least)
+    }
+    if not hidden:
+        return search
+    roomy = dataclasses.replace(search.traced, budget=UNBOUNDED)
+    proposal = propose(roomy, search.dimensions)
+    measured = scale(measure(roomy, search.dimensions, proposal), proposal).measured.rows
+    found = {
+        (c.name, tuple(c.mesh_shape.items())): dataclasses.replace(c, fits=False)
+        for c in measured
+        if c.time is not None and (c.name, tuple(c.mesh_shape.items())) in hidden
+    }
+    complete = tuple(
+        found.get((c.name, tuple(c.mesh_shape.items())), c) if c.time is None else c for c in rows
+    )
+    return dataclasses.replace(search, measured=Measured(search.measured.jobs, complete))
