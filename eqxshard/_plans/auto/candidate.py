@@ -40,11 +40,11 @@ class Candidate:
         link takes `host_time` seconds per step (part of `time`).
     - `remat`: the rematerialisation policy of each `Stacked` layer by path (`{}`: none).
     - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
-    - `choice_note`, `budget_note`: before ranking, what a refined row chose (`"remat
-        full on `blocks`"`) and how it stands against the budget (`"fits with 1.2 MiB to
-        spare"`, `"still 3.0 KiB over"`), said before the rest of its `reason`; ranking
-        joins them into `reason` (the budget's part only where the verdict does not say
-        it already), and leaves both empty.
+    - `choice_note`, `budget_note`: before ranking, what a refined row chose (remat
+        full on a stack, say) and how it stands against the budget (`"fits with 1.2 MiB
+        to spare"`, `"still 3.0 KiB over"`), said before the rest of its `reason`;
+        ranking joins them into `reason` (the budget's part only where the verdict does
+        not say it already), and leaves both empty.
     """
 
     rank: int

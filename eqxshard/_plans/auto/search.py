@@ -123,8 +123,8 @@ def auto_plan(
         - `None`: `$EQXSHARD_CACHE_DIR` if set (empty: none), else
             `$XDG_CACHE_HOME/eqxshard/auto_plan` or `~/.cache/eqxshard/auto_plan`;
         - a folder (a str or a path);
-        - `False`: none (only this process' memory; `eqxshard.clear_caches()` empties
-            that, not the folder: delete the folder to empty it).
+        - `False`: none (only this process' memory, which emptying eqxshard's caches
+            empties; the folder is left: delete it to empty it).
 
     **Returns:**
 

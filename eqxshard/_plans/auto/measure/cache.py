@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -120,10 +121,16 @@ def _tree_text(tree: Any) -> str:
 
 
 def _environment() -> str:
+    """What a compile's figures depend on beside the step: the versions, the backend and
+    its device kind, the compile options."""
+    try:
+        jaxlib = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        jaxlib = "unknown"
     devices = jax.devices()
     kind = devices[0].device_kind if devices else ""
     return (
-        f"jax {jax.__version__} jaxlib {jax.lib.__version__} {jax.default_backend()} {kind} "
+        f"jax {jax.__version__} jaxlib {jaxlib} {jax.default_backend()} {kind} "
         f"eqxshard {_version.version()} {sorted(FAST_COMPILE.items())}"
     )
 
