@@ -19,6 +19,7 @@ from helpers import compiled_total, mse_step
 import eqxshard
 from eqxshard._caches import clear_all
 from eqxshard._plans.auto.measure import jobs
+from eqxshard._tree import format_bytes
 
 OPTIMIZER = optax.adamw(1e-3)
 STEP = mse_step(OPTIMIZER)
@@ -72,7 +73,7 @@ def test_describe_step_gives_the_footprint_the_chosen_row_reads(generous):
     assert parts["args[0]"] == max(leaves.values()) < report.total_bytes / 3
     assert generous.chosen.total_bytes == report.total_bytes
     text = str(report)
-    assert f"Bytes per device: {eqxshard._tree.format_bytes(report.total_bytes)} in all" in text
+    assert f"Bytes per device: {format_bytes(report.total_bytes)} in all" in text
     assert "temporaries hold the gradients and activations" in text
 
 

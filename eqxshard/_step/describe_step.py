@@ -114,7 +114,7 @@ def _lowered(step: Any, args: tuple, kwargs: dict) -> tuple[JitWrapper, Lowered]
         lowered = step.lower(*args, **kwargs)
         if isinstance(lowered, Lowered):
             return lowered.wrapper, lowered
-    wrapper = filter_jit(step)
+    wrapper: Any = filter_jit(step)
     return wrapper, wrapper.lower(*args, **kwargs)
 
 
