@@ -21,6 +21,7 @@ from ._pipeline.stacked.stacked import Stacked as Stacked
 from ._placement.get import filter_get as filter_get
 from ._placement.put import filter_put as filter_put
 from ._placement.shard import filter_replicate as filter_replicate, filter_shard as filter_shard
+from ._plans.auto.candidate import NothingFits as NothingFits
 from ._plans.auto.result import Plan as Plan
 from ._plans.auto.search import auto_plan as auto_plan
 from ._plans.describe import describe as describe

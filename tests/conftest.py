@@ -18,6 +18,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # venv. JAX writes an entry unlocked: a process that reads one while another writes it
 # warns and compiles instead, which is only a miss (so that warning is ignored, here by
 # pyproject.toml's filterwarnings, in the processes started by PYTHONWARNINGS).
+# `auto_plan`'s disk cache is off in the tests and the processes they start (a test of it
+# passes its own `cache_dir=`): nothing is written under the home folder.
+os.environ.setdefault("EQXSHARD_CACHE_DIR", "")
+
 CACHE_DIR = os.environ.setdefault(
     "JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax")
 )

@@ -65,7 +65,7 @@ def test_saved_bytes_of_each_stack_are_its_forward_scans_residuals():
     away = rows * 3 * 512 // 2
     assert row.total_bytes == (5 << 20) - away and row.bytes["activations"] == (5 << 20) - away
     assert row.host_bytes == away
-    assert row.fits and "remat offload on `wide`: fits with" in row.reason
+    assert row.fits and "remat offload on `wide`: fits with" in row.note()
     assert "1.5 MiB of activations per device in host memory, out and back" in row.reason
     assert row.host_time == pytest.approx(2 * (1e-5 + away / 1e9))
     assert row.time == pytest.approx(1.0 + row.host_time)
@@ -139,15 +139,25 @@ def test_nothing_fits_says_remat_was_tried_and_by_how_much_it_is_over():
 
 
 def test_a_chosen_remat_row_says_what_it_spares_once():
-    reason = "remat full on `blocks`: fits with 512.0 KiB to spare; without it 1.0 MiB over"
-    chosen = eqxshard.report.Candidate(
-        **{**candidate_row("DP + remat full", 512 << 10, True).__dict__, "reason": reason}
+    # Each row says what it chose and how it stands against the budget apart from the rest.
+    chosen = candidate_row(
+        "DP + remat full",
+        512 << 10,
+        True,
+        reason="without it 1.0 MiB over",
+        choice_note="remat full on `blocks`",
+        budget_note="fits with 512.0 KiB to spare",
     )
-    over = eqxshard.report.Candidate(
-        **{
-            **candidate_row("FSDP + remat dots", 2 << 20, False).__dict__,
-            "reason": "remat dots on `blocks`: still 1.0 MiB over; without it 2.0 MiB over",
-        }
+    over = candidate_row(
+        "FSDP + remat dots",
+        2 << 20,
+        False,
+        reason="without it 2.0 MiB over",
+        choice_note="remat dots on `blocks`",
+        budget_note="still 1.0 MiB over",
+    )
+    assert chosen.note() == (
+        "remat full on `blocks`: fits with 512.0 KiB to spare; without it 1.0 MiB over"
     )
     table = ranked([chosen, over], 1 << 20)
     assert table[0].reason == (

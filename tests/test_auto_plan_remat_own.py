@@ -176,7 +176,7 @@ def test_auto_plan_compiles_no_remat_that_saves_nothing_and_its_plan_runs(monkey
 
     monkeypatch.setattr(jobs, "compile_here", counting)
     fresh: dict = {}  # nothing cached by other tests: every compile is counted
-    monkeypatch.setattr(jobs, "_CACHE", fresh)
+    monkeypatch.setattr(jobs, "CACHE", fresh)
     monkeypatch.setattr(batch_proxies, "CACHE", fresh)
     monkeypatch.setattr(jobs, "share_alongside", lambda rest, seconds: [])
     far = eqxshard.links.Link(bandwidth=1e7, latency=1e-3)  # offloading the state does not pay

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from helpers import assert_tree_values
+from helpers import assert_tree_values, compiled_total
 from jax.sharding import AxisType, PartitionSpec as P
 from zoo.models import ZOO, Zoo
 
@@ -234,8 +234,12 @@ def test_auto_plan_chooses_an_auto_mesh_that_trains(zoo):
     assert set(plan.mesh.axis_types) == {AxisType.Auto}  # what most Equinox models need
     opt_state = OPTIMIZER.init(eqx.filter(model, eqx.is_array))
     _, _, expected = eqx.filter_jit(step)(model, opt_state, batch)
-    _, _, loss = eqxshard.filter_jit(step)(*plan.shard(model, opt_state, batch))
+    placed = plan.shard(model, opt_state, batch)
+    _, _, loss = eqxshard.filter_jit(step)(*placed)
     np.testing.assert_allclose(loss, expected, rtol=2e-5)
+    # The chosen row's bytes per device are those of the plan's own step, compiled.
+    total = compiled_total(plan.jit(step).lower(*placed).compile().memory_analysis())
+    assert abs(total - chosen.total_bytes) <= 0.01 * total
 
 
 # `jnp.fft.rfft` of an operand split over devices inside `jit`, broadcast against another

@@ -88,6 +88,12 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     parts (`describe({"params": params, "opt_state": opt_state})`), also each part's
     bytes on the fullest device: the optimiser state's next to the parameters'.
 
+    It counts the leaves of `tree` only. A training step also holds gradients, the
+    optimiser state and activations: `eqxshard.describe_step(step, model, opt_state,
+    batch)` compiles the step and gives its whole footprint per device (`total_bytes`,
+    and `footprint()` by part), the figure to size a budget by (the table's last line
+    says so).
+
     **Arguments:**
 
     - `tree`: any PyTree, concrete or abstract (`jax.ShapeDtypeStruct` leaves).

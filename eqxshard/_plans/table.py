@@ -12,6 +12,12 @@ from .._tree import device_name, format_bytes, shape_str
 from . import describe_view
 from .by_stage import StageRow, by_stage
 
+# The last line of a table: what it does not count, and where that is counted.
+FOOTPRINT = (
+    "These leaves only: a training step also holds gradients, optimiser state and "
+    "activations: `eqxshard.describe_step` compiles it and gives its total per device."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafRow:
@@ -130,6 +136,7 @@ class ShardingTable:
                 for reason, (k, b) in self.left_replicated.items()
             )
             lines.append(f"Left replicated by the rules: {n} leaves ({format_bytes(size)}): {why}.")
+        lines.append(FOOTPRINT)
         return lines
 
     def __str__(self) -> str:

@@ -6,6 +6,8 @@ work each device does, and what XLA replicates."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ from .._compat import spec_str
 from .._tree import Flat, format_bytes, is_array_like, pathstr, shape_str
 from . import layouts as _layouts
 from .entry import output as _output
-from .jit import JitWrapper, filter_jit
+from .jit import JitWrapper, Lowered, filter_jit
 from .leaves import call_path
 from .pinned import FIX, PinnedOp, pinned_ops
 
@@ -40,10 +42,17 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
     `in_shardings` asks first, as a call would; JAX's compile cache then spares a later
     call the compile).
 
+    It is the call that gives a step's whole footprint on each device, what to size a
+    budget by (`eqxshard.describe` counts the leaves of a tree only):
+    `report.total_bytes`, and `report.footprint()` by part: each argument (the model,
+    the optimiser state, the batch), the outputs that do not reuse a donated input, and
+    the temporaries (the gradients and activations among them).
+
     **Arguments:**
 
     - `step`: a function wrapped by `eqxshard.filter_jit` (its layouts, donation and
-        mesh are used), or any other function (wrapped by `filter_jit()` with none).
+        mesh are used); a step from `Plan.jit` (the `filter_jit` it runs for these
+        arguments); or any other function (wrapped by `filter_jit()` with none).
     - `*args`, `**kwargs`: the arguments of a call, e.g. the model, optimiser state and
         batch, as arrays (not `jax.ShapeDtypeStruct`s: `filter_jit` holds those static).
 
@@ -82,8 +91,7 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
             f"`describe_step` takes a function (a `filter_jit` step), but got "
             f"{type(step).__name__}."
         )
-    wrapper: Any = step if isinstance(step, JitWrapper) else filter_jit(step)
-    lowered = wrapper.lower(*args, **kwargs)
+    wrapper, lowered = _lowered(step, args, kwargs)
     compiled = lowered.compile().compiled
     return StepReport(
         inputs=_inputs(wrapper, lowered, compiled, args, kwargs),
@@ -94,6 +102,20 @@ def describe_step(step: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Ste
         memory=_memory(compiled),
         pinned=pinned_ops(compiled.as_text()),
     )
+
+
+def _lowered(step: Any, args: tuple, kwargs: dict) -> tuple[JitWrapper, Lowered]:
+    """The `filter_jit` wrapper `step` runs for these arguments, and its call lowered: its
+    own; that of a step whose `lower` gives a `filter_jit` call's (`Plan.jit`'s, which
+    picks one by the arguments); else a `filter_jit()` of `step`."""
+    if isinstance(step, JitWrapper):
+        return step, step.lower(*args, **kwargs)
+    if not isinstance(step, jax.stages.Wrapped) and callable(getattr(step, "lower", None)):
+        lowered = step.lower(*args, **kwargs)
+        if isinstance(lowered, Lowered):
+            return lowered.wrapper, lowered
+    wrapper: Any = filter_jit(step)
+    return wrapper, wrapper.lower(*args, **kwargs)
 
 
 def _inputs(wrapper: Any, lowered: Any, compiled: Any, args: tuple, kwargs: dict) -> list:
@@ -180,6 +202,13 @@ class StepLeaf:
     compiled: Sharding | None
 
     @property
+    def bytes_per_device(self) -> int:
+        """Its bytes on one device, in the layout compiled (or asked; whole without)."""
+        sharding = self.compiled or self.asked
+        shape = self.shape if sharding is None else sharding.shard_shape(self.shape)
+        return math.prod(shape) * _itemsize(self.dtype)
+
+    @property
     def differs(self) -> bool:
         """Whether XLA compiled another layout than the one asked."""
         if self.asked is None or self.compiled is None:
@@ -202,6 +231,9 @@ class StepReport:
     - `pinned`: the ops XLA runs on one device and replicates the result of on every
         device (host callbacks such as `eqx.error_if`), each a `PinnedOp` with `source`,
         `op_name` and the `shapes` replicated.
+    - `total_bytes` (a property): bytes per device of the whole step: arguments and
+        outputs (less the outputs that reuse a donated argument's buffer) and temporaries;
+        `None` where the backend does not say.
     """
 
     inputs: list[StepLeaf]
@@ -211,6 +243,35 @@ class StepReport:
     flops: float | None
     memory: dict[str, int]
     pinned: list[PinnedOp]
+
+    @property
+    def total_bytes(self) -> int | None:
+        m = self.memory
+        if not m:
+            return None
+        return m["argument"] + m["output"] - m["alias"] + m["temp"]
+
+    def footprint(self) -> dict[str, int]:
+        """Bytes per device by part, adding up to `total_bytes`: each argument's leaves
+        (`args.0`, `args.1`, ..., `kwargs.x`, as leaf paths print), `outputs` (those that do not reuse a
+        donated argument's buffer), `temporaries` (the gradients, the activations and
+        every other buffer the step holds while it runs) and, where the compiled
+        arguments differ from their leaves' sum (padding), `other`. Empty where the
+        backend does not say."""
+        total = self.total_bytes
+        if total is None:
+            return {}
+        parts: dict[str, int] = {}
+        for leaf in self.inputs:
+            found = _ARGUMENT.match(leaf.path)
+            name = found.group(0) if found else leaf.path
+            parts[name] = parts.get(name, 0) + leaf.bytes_per_device
+        parts["outputs"] = self.memory["output"] - self.memory["alias"]
+        parts["temporaries"] = self.memory["temp"]
+        other = total - sum(parts.values())
+        if other:
+            parts["other"] = other
+        return parts
 
     @property
     def work_fraction(self) -> float | None:
@@ -277,7 +338,11 @@ class StepReport:
         lines.append(self._work())
         if self.memory:
             held = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.memory.items())
-            lines.append(f"Bytes per device: {held}.")
+            parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.footprint().items())
+            lines.append(
+                f"Bytes per device: {format_bytes(self.total_bytes or 0)} in all ({parts}; "
+                f"temporaries hold the gradients and activations); memory_analysis: {held}."
+            )
         lines.extend(self.problems())
         return "\n".join(lines)
 
@@ -290,6 +355,17 @@ class StepReport:
             f"{self.devices} devices; each does {self.work_fraction:.1%} of the step's "
             f"{_flops_str(self.flops)} (an even split: {1 / self.devices:.1%})."
         )
+
+
+# The argument a leaf's path starts with: `args[0]`, `kwargs['x']`.
+_ARGUMENT = re.compile(r"(args|kwargs)\.[^.]+")
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return jax.numpy.dtype(dtype).itemsize
+    except TypeError:  # a key array's dtype (`key<fry>`): its data's
+        return 8
 
 
 def _layout(sharding: Any) -> str:

@@ -42,6 +42,11 @@ class Candidate:
     - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
     - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
         over that axis, the model's attention converted by `context_parallel`.
+    - `choice_note`, `budget_note`: before ranking, what a refined row chose (remat
+        full on a stack, say) and how it stands against the budget (`"fits with 1.2 MiB
+        to spare"`, `"still 3.0 KiB over"`), said before the rest of its `reason`;
+        ranking joins them into `reason` (the budget's part only where the verdict does
+        not say it already), and leaves both empty.
     """
 
     rank: int
@@ -64,6 +69,16 @@ class Candidate:
     remat: dict[str, str] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
     context: dict[str, str] | None = None
+    choice_note: str = ""
+    budget_note: str = ""
+
+    def note(self, *, with_budget: bool = True) -> str:
+        """The row's own note: `reason`, after `choice_note` and (`with_budget`)
+        `budget_note` where it has them."""
+        if not self.choice_note:
+            return self.reason
+        said = [self.budget_note] if with_budget and self.budget_note else []
+        return f"{self.choice_note}: {'; '.join([*said, self.reason])}"
 
 
 def not_compiled(layout: Any, reason: str, **fields: Any) -> Candidate:
@@ -86,3 +101,21 @@ def not_compiled(layout: Any, reason: str, **fields: Any) -> Candidate:
         reason=reason,
     )
     return Candidate(**{**row, **fields})
+
+
+class NothingFits(ValueError):
+    """What `auto_plan` raises when no layout fits the budget: a `ValueError` whose text
+    names the smallest footprint, what would help, the closest rows and the least budget
+    that fits; and which carries the search's table.
+
+    - `table`: every `Candidate` weighed, ranked as `Plan.table` would be (those that
+        were compiled smallest first, then those that were not).
+    - `smallest_budget`: the fewest bytes per device any compiled layout needs: passed as
+        `budget=`, the same search (its compiles cached) chooses that layout. `None` when
+        no layout could be compiled.
+    """
+
+    def __init__(self, message: str, table: list[Candidate], smallest_budget: int | None):
+        super().__init__(message)
+        self.table = table
+        self.smallest_budget = smallest_budget

@@ -3,12 +3,15 @@ chosen by compiling the user's own step under every candidate layout."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax.sharding import AbstractMesh
 
 from .dimensions import registry
+from .dimensions.base import Measured, Search
 from .dimensions.propose import propose
 from .dimensions.refine import refine
 from .links import DEFAULT_FLOPS
@@ -33,6 +36,9 @@ PHASES = (
 # CPU devices when this process has fewer); larger ones are estimated from a smaller mesh.
 COMPILE_LIMIT = 64
 
+# The budget a search weighs every layout under in full, to tell the least that fits.
+UNBOUNDED = 2**62
+
 
 def auto_plan(
     step: Callable[..., Any],
@@ -48,6 +54,8 @@ def auto_plan(
     flops_per_second: float = DEFAULT_FLOPS,
     compile_limit: int = COMPILE_LIMIT,
     progress: bool | None = None,
+    exclude: str | Sequence[str] = (),
+    cache_dir: str | os.PathLike[str] | bool | None = None,
 ) -> Plan:
     """Chooses the layout of `model` (and its optimiser state and batch) over `devices`
     that fits `budget` bytes per device with the least estimated step time.
@@ -70,7 +78,8 @@ def auto_plan(
     axis' `Link`, and compute seconds from `cost_analysis()` flops. Meshes of up to
     `compile_limit` devices are compiled (in a subprocess with that many CPU devices when
     this process has fewer); larger ones are scaled from a smaller mesh and marked as
-    estimates. Results are cached: a second call with the same inputs is fast.
+    estimates. Results are cached, in memory and on disk: a second call with the same
+    inputs, in this process or a later one, compiles nothing.
 
     **Arguments:**
 
@@ -103,6 +112,19 @@ def auto_plan(
     - `flops_per_second`: what one device computes per second (default 4e14).
     - `compile_limit`: the most devices a candidate is compiled on (default 64).
     - `progress`: show a progress bar (`None`: when standard error is a terminal).
+    - `exclude`: what not to weigh, by name (a name or a tuple of them): the dimensions
+        `"stage"` (pipeline stages), `"offload"` (optimiser state in host memory),
+        `"remat"` (rematerialised stacks) and `"data_fsdp_tensor"` (every layout without
+        stages), and the layout families `"data"`, `"fsdp"` and `"tensor"` (each layout
+        with a `data`, `fsdp` or `model` axis). Their rows are not in the table.
+    - `cache_dir`: where the figures of each compile are kept across processes (one small
+        JSON file each, keyed by the step's jaxpr, the layout and the JAX, jaxlib, backend
+        and eqxshard versions):
+        - `None`: `$EQXSHARD_CACHE_DIR` if set (empty: none), else
+            `$XDG_CACHE_HOME/eqxshard/auto_plan` or `~/.cache/eqxshard/auto_plan`;
+        - a folder (a str or a path);
+        - `False`: none (only this process' memory, which emptying eqxshard's caches
+            empties; the folder is left: delete it to empty it).
 
     **Returns:**
 
@@ -113,15 +135,18 @@ def auto_plan(
     **Raises:**
 
     - `TypeError`: if `step` is not callable, or `devices`, `budget`, `optimizer`,
-        `flops_per_second`, `links` or `devices_per_node` is of the wrong type.
+        `flops_per_second`, `links`, `devices_per_node`, `exclude` or `cache_dir` is of
+        the wrong type.
     - `ValueError`: if `devices`, `budget` or `flops_per_second` is not positive (or is
         infinite), `devices_per_node` is below 1 or does not divide `devices`, `links`
         names an unknown axis or preset, `budget` cannot be read or found, `step` fails
         to trace (with the error it raised), `batch` has no common leading dim, `step`
         pipelines in a way no plan can choose (its own `mesh=`, `blocks` it computes, two
-        schedules, `pipeline_value_and_grad`: each said); and if
-        no candidate fits, naming the smallest footprint found, what dominates it and
-        what would help.
+        schedules, `pipeline_value_and_grad`: each said), `exclude` names an unknown
+        dimension or family (the valid ones are listed) or leaves no layout.
+    - `eqxshard.NothingFits` (a `ValueError`): if no candidate fits, naming the smallest
+        footprint found, what dominates it, what would help, the closest rows and the
+        least budget that fits; `.table` holds every row, `.smallest_budget` that budget.
 
     !!! Example
 
@@ -143,6 +168,7 @@ def auto_plan(
         print(plan)
         ```
     """
+    left_out = registry.excluded(exclude)
     traced = trace(
         step,
         model,
@@ -156,12 +182,47 @@ def auto_plan(
         flops_per_second=flops_per_second,
         compile_limit=compile_limit,
         progress=progress,
+        exclude=left_out,
+        cache_dir=cache_dir,
     )
-    dimensions = registry.DIMENSIONS
+    dimensions = tuple(d for d in registry.DIMENSIONS if d.name not in left_out)
     proposal = propose(traced, dimensions)
     search = measure(traced, dimensions, proposal)
     # Meshes above `compile_limit` are weighed against the fastest of those measured.
     search = scale(search, proposal)
     # Offload and remat vary the measured layouts that are over budget.
     search = refine(search)
+    # Where nothing fits, the layouts ruled out before a compile are compiled too: the
+    # error then names the least budget that fits, with every layout's figures.
+    search = every_footprint(search)
     return rank(search)
+
+
+def every_footprint(search: Search) -> Search:
+    """`search` unchanged where a layout fits, or where each layout its budget ruled out
+    before a compile needs (by the parts known) no less than the smallest compiled
+    footprint; else with those layouts' rows from a search without a budget (as one with
+    a generous budget would compile them), each still over `search`'s budget."""
+    rows = search.measured.rows
+    if any(c.fits for c in rows):
+        return search
+    least = min((c.total_bytes for c in rows if c.time is not None and c.total_bytes), default=None)
+    hidden = {
+        (c.name, tuple(c.mesh_shape.items()))
+        for c in rows
+        if c.time is None and c.total_bytes is not None and (least is None or c.total_bytes < least)
+    }
+    if not hidden:
+        return search
+    roomy = dataclasses.replace(search.traced, budget=UNBOUNDED)
+    proposal = propose(roomy, search.dimensions)
+    measured = scale(measure(roomy, search.dimensions, proposal), proposal).measured.rows
+    found = {
+        (c.name, tuple(c.mesh_shape.items())): dataclasses.replace(c, fits=False)
+        for c in measured
+        if c.time is not None and (c.name, tuple(c.mesh_shape.items())) in hidden
+    }
+    complete = tuple(
+        found.get((c.name, tuple(c.mesh_shape.items())), c) if c.time is None else c for c in rows
+    )
+    return dataclasses.replace(search, measured=Measured(search.measured.jobs, complete))

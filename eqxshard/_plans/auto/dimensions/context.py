@@ -26,6 +26,7 @@ from ...rules import as_rule
 from ..candidate import Candidate, not_compiled
 from ..layout import Layout, batch_spec
 from ..measure import jobs
+from ..measure.cache import ProblemKey
 from ..measure.compiled import step_arguments
 from ..meshes import mesh_for
 from ..trace.problem import Problem
@@ -127,7 +128,9 @@ class Context(Dimension):
         problem, count = converted(traced.problem)
         if not count:
             return measured
-        problem_key = (traced.problem_key, AXIS, STRATEGY)
+        # Its own key (the converted model's step), kept in memory only: the disk cache's
+        # entries are named by the unconverted step's jaxpr.
+        problem_key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY))
         todo, left_out = [], []
         for shape, why in shapes(traced.devices, traced.batch_size, length):
             name = "DP x context" if "data" in shape else "context"

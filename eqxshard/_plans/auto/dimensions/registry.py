@@ -9,6 +9,9 @@ dimension is a module with a `Dimension` subclass, and one line here.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from .base import Dimension
 from .context import Context
 from .data_fsdp_tensor import DataFsdpTensor
@@ -17,3 +20,28 @@ from .remat.dimension import Remat
 from .stage.dimension import Stage
 
 DIMENSIONS: tuple[Dimension, ...] = (DataFsdpTensor(), Stage(), Offload(), Remat(), Context())
+
+# The layout families `exclude=` may name, by the mesh axis each adds: a layout with that
+# axis (of more than one device) is left out.
+FAMILIES = {"data": "data", "fsdp": "fsdp", "tensor": "model"}
+
+
+def excluded(exclude: Any) -> frozenset[str]:
+    """The names `auto_plan(..., exclude=)` leaves out, checked: dimensions of
+    `DIMENSIONS` by name, and layout families of `FAMILIES`."""
+    names = (exclude,) if isinstance(exclude, str) else exclude
+    if not isinstance(names, Sequence | set | frozenset) or not all(
+        isinstance(n, str) for n in names
+    ):
+        raise TypeError(
+            "`auto_plan` takes `exclude` as a name or a tuple of names (e.g. "
+            f'`exclude=("offload", "remat")`), but got {exclude!r}.'
+        )
+    valid = [d.name for d in DIMENSIONS] + list(FAMILIES)
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ValueError(
+            f"`auto_plan` cannot exclude {', '.join(repr(n) for n in unknown)}: `exclude` "
+            f"takes the names of dimensions and layout families: {', '.join(valid)}."
+        )
+    return frozenset(names)

@@ -39,8 +39,8 @@ def start(problem: Problem, work: Sequence[tuple[Placed, dict[str, int]]]) -> Ru
     """Lowers each `(placed on a mesh, mesh shape)` here and starts compiling them all in
     one subprocess with as many CPU devices as the largest mesh; `finish` waits for it."""
     texts = [lower_text(problem, placed) for placed, _ in work]
-    # A rematerialising step compiles with constant folding, here as in this process.
-    folds = [bool(placed.remat) for placed, _ in work]
+    # With constant folding, as in this process (`compiled.FAST_COMPILE`).
+    folds = [True for _ in work]
     return _launch(texts, [dict(shape) for _, shape in work], folds)
 
 

@@ -34,13 +34,13 @@ from .host_memory import host_bytes
 
 # Compile without LLVM's optimisations: the code is never run, and the figures read here
 # (buffer sizes, flops, collectives) come from the HLO passes before it. A third faster.
-# Nor with constant folding, which folds what the code would compute when it ran: a
-# step's gradient of a cross-entropy (a scatter over the batch) took 10-16 s of each 7B
-# compile folding it, for figures equal within a millionth (benchmarks/auto_plan_7b.py).
+# Constant folding stays on, as `plan.jit` compiles: the constants it makes are buffers
+# of the step (rotary embeddings' tables from `iota`: without folding an ESM2-like
+# step read 1% under its `plan.jit` compile; a full remat's step 10% under), though it
+# costs seconds on a large cross-entropy's gradient (a scatter over the batch).
 FAST_COMPILE = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
-    "xla_disable_hlo_passes": "constant_folding",
 }
 
 
@@ -133,7 +133,7 @@ class Placed:
     opt_state: int
     batch: int
     offload: bool = False
-    remat: bool = False  # a stack rematerialises: compiled with constant folding
+    remat: bool = False  # a stack rematerialises (its own `remat` or the candidate's)
     mesh_set: Any = None  # the mesh set while the step traces (it pipelines by itself)
 
 
@@ -239,12 +239,9 @@ def compile_here(problem: Problem, p: Placed, shape: dict[str, int]) -> Measurem
     with warnings.catch_warnings():
         # A step may return leaves that cannot reuse a donated buffer (a new dtype, say).
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
-        options = FAST_COMPILE
-        if p.remat:  # without folding, a full remat's step holds 10% less than it will
-            options = {k: v for k, v in FAST_COMPILE.items() if k != "xla_disable_hlo_passes"}
         with _mesh_set(p):
             lowered = _jit(problem, p).lower(*p.args)
-        compiled = lowered.compile(compiler_options=options)
+        compiled = lowered.compile(compiler_options=FAST_COMPILE)
     memory = compiled.memory_analysis()
     if memory is None:
         raise ValueError(

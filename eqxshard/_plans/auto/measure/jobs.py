@@ -22,8 +22,8 @@ from ..trace.arguments import over_budget
 from ..trace.problem import Problem
 from ..view import mesh_str
 from . import compile_remote
-from .cache import CACHE, hashable, shapes_key
-from .compiled import Placed, compile_here, step_arguments
+from .cache import CACHE, ProblemKey, hashable, shapes_key
+from .compiled import Measurement, Placed, compile_here, step_arguments
 
 
 def _resize_batch(batch: Any, size: int) -> Any:
@@ -58,6 +58,7 @@ class Job:
     rejected: str = ""
     where: str = ""
     host: int = 0  # bytes per device of the optimiser state in host memory (offload)
+    entry: Any = None  # its file in the disk cache (`cache.Disk`), if there is one
 
 
 def laid_out(
@@ -129,9 +130,19 @@ def laid_out(
     return Job(layout, exact, small, placed, small=small, host=host)
 
 
-def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
-    """Gives each job to compile its cache key (the batch's shapes last) and where it is
-    compiled."""
+def _layout_text(args: Any) -> str:
+    """Each argument leaf's shape, dtype, spec and memory kind: what a compile is given."""
+    return repr(
+        [
+            (tuple(x.shape), str(x.dtype), repr(x.sharding.spec), x.sharding.memory_kind)
+            for x in jax.tree.leaves(args)
+        ]
+    )
+
+
+def assign_keys(problem_key: ProblemKey, jobs: list[Job], local: int) -> None:
+    """Gives each job to compile its cache key (the batch's shapes last), its entry in the
+    disk cache (what is there read into `CACHE`), and where it is compiled."""
     for job in jobs:
         if job.compile_shape is None or job.placed is None:
             continue
@@ -150,6 +161,18 @@ def assign_keys(problem_key: Any, jobs: list[Job], local: int) -> None:
             job.layout.pipeline,
             shapes_key(job.placed.args[2]),
         )
+        disk = problem_key.disk
+        if disk is not None:
+            choices = (job.layout.offload, job.layout.remat, job.layout.pipeline)
+            placed = (job.placed.remat, repr(job.placed.mesh_set))
+            parts = (shape, repr(job.layout.rules), choices, placed, _layout_text(job.placed.args))
+            job.entry = disk.path(parts)
+            if job.key not in CACHE:
+                found = disk.load(job.entry)
+                if found is not None:
+                    CACHE[job.key] = found
+            elif not job.entry.exists():  # compiled before this folder was given
+                disk.store(job.entry, CACHE[job.key])
         count = math.prod(job.compile_shape.values())
         job.where = (
             "compiled here"
@@ -175,8 +198,20 @@ def share_alongside(rest: list[Job], seconds: float) -> list[Job]:
     return rest[len(rest) - round(ALONGSIDE_SHARE * len(rest)) :]
 
 
+def _keep(problem_key: ProblemKey, job: Job, measured: Measurement) -> None:
+    """`measured` in the cache, and on disk where there is one."""
+    CACHE[job.key] = measured
+    if problem_key.disk is not None and job.entry is not None:
+        problem_key.disk.store(job.entry, measured)
+
+
 def measure_all(
-    problem: Problem, problem_key: Any, jobs: list[Job], *, local: int, progress: bool | None
+    problem: Problem,
+    problem_key: ProblemKey,
+    jobs: list[Job],
+    *,
+    local: int,
+    progress: bool | None,
 ) -> None:
     """Compiles every job not in the cache: here when this process has the devices, else
     in one subprocess per device count."""
@@ -196,7 +231,7 @@ def measure_all(
                 continue
             bar.set_postfix_str(f"{job.layout.name} {mesh_str(job.compile_shape)}")
             start = time.perf_counter()
-            CACHE[job.key] = compile_here(problem, job.placed, job.compile_shape)
+            _keep(problem_key, job, compile_here(problem, job.placed, job.compile_shape))
             seconds = max(seconds, time.perf_counter() - start)
             bar.update()
             if k == 0 and running is None:
@@ -206,12 +241,12 @@ def measure_all(
                     running = compile_remote.start(problem, work)  # type: ignore[arg-type]
         if running is not None:
             for job, measured in zip(alongside, compile_remote.finish(running), strict=True):
-                CACHE[job.key] = measured
+                _keep(problem_key, job, measured)
                 bar.update()
         if remote:
             work = [(j.placed, j.compile_shape) for j in remote if j.placed and j.compile_shape]
             for job, measured in zip(
                 remote, compile_remote.compile_all(problem, work), strict=True
             ):  # type: ignore[arg-type]
-                CACHE[job.key] = measured
+                _keep(problem_key, job, measured)
                 bar.update()

@@ -7,8 +7,12 @@ import dataclasses
 import math
 
 from ...._tree import format_bytes
+from ..candidate import NothingFits
 from ..result import Candidate
-from ..view import mesh_str, seconds_str
+from ..view import mesh_str, seconds_str, text
+
+# How many of the closest rows the error of a search where nothing fits shows.
+CLOSEST_SHOWN = 5
 
 
 def _dominant(c: Candidate) -> tuple[str, int]:
@@ -57,7 +61,7 @@ def ranked(candidates: list[Candidate], budget: int) -> list[Candidate]:
     table = []
     best = fits[0] if fits else None
     for c in fits + measured + rest:
-        reason = c.reason
+        reason = c.note()
         if c is best:
             spare = format_bytes(budget - (c.total_bytes or 0))
             why = (
@@ -72,25 +76,41 @@ def ranked(candidates: list[Candidate], budget: int) -> list[Candidate]:
             part, size = _dominant(c)
             over = format_bytes((c.total_bytes or 0) - budget)
             reason = f"over budget by {over} (most is {part}: {format_bytes(size)})"
-        note = c.reason
-        left = budget - (c.total_bytes or 0)
-        if c is best:  # a remat row's own "fits with X to spare" is said once, above
-            note = note.replace(f": fits with {format_bytes(left)} to spare;", ":")
-        elif c.time is not None and not c.fits:  # and its "still X over"
-            note = note.replace(f": still {format_bytes(-left)} over;", ":")
+        # A remat row's own "fits with X to spare" (or "still X over") is said once: by
+        # the verdict above where it says so.
+        note = c.note(with_budget=not (c is best or (c.time is not None and not c.fits)))
         if c.time is not None and note and note not in reason:
             reason = f"{reason}; {note}"  # the layout's note
-        table.append(dataclasses.replace(c, rank=len(table) + 1, reason=reason))
+        ranked_row = dataclasses.replace(
+            c, rank=len(table) + 1, reason=reason, choice_note="", budget_note=""
+        )
+        table.append(ranked_row)
     return table
 
 
-def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> ValueError:
+def budget_str(n: int) -> str:
+    """`n` bytes as a `budget=` string that is no less than `n` (`format_bytes` rounded
+    up): `"2.4MiB"`."""
+    if n < 1024:
+        return f"{n}B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if size < 1024 or unit == "TiB":
+            return f"{math.ceil(size * 10) / 10:.1f}{unit}"
+    raise AssertionError("unreachable")
+
+
+def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> NothingFits:
+    """The error of a search where no row of `table` (ranked) fits `budget`."""
     measured = [c for c in table if c.total_bytes is not None]
     if not measured:
         reasons = "\n".join(f"  {c.name} on {mesh_str(c.mesh_shape)}: {c.reason}" for c in table)
-        return ValueError(
+        return NothingFits(
             f"`auto_plan` could not build any layout of {n} devices:\n{reasons}\n"
-            "Make the batch divisible by the device count, or pass `rules=` that suit the model."
+            "Make the batch divisible by the device count, or pass `rules=` that suit the model.",
+            table,
+            None,
         )
     smallest = min(measured, key=lambda c: c.total_bytes or 0)
     part, part_bytes = _dominant(smallest)
@@ -126,9 +146,35 @@ def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> Valu
         ]
     else:
         helps += ["a smaller optimiser state (e.g. bfloat16 moments)", "lower-precision parameters"]
-    return ValueError(
+    message = (
         f"`auto_plan`: no layout of {n} devices fits `budget` = {format_bytes(budget)} per "
         f"device. The smallest footprint is {format_bytes(smallest.total_bytes or 0)} per device "
         f"({smallest.name} on {mesh_str(smallest.mesh_shape)}), most of it {part} "
         f"({format_bytes(part_bytes)}).{tried} What would help: {'; '.join(helps)}."
+    )
+    # The least budget that fits is a compiled row's (a row rejected before its compile
+    # shows a part of its footprint only).
+    compiled = [c for c in table if c.time is not None and c.total_bytes is not None]
+    if not compiled:  # every layout ruled out before its compile: a floor is known
+        floor = smallest.total_bytes or 0
+        return NothingFits(
+            f"{message}\n\nEvery layout was over budget before its activations, so none "
+            f"was compiled: the least of them needs {format_bytes(floor)} per device before "
+            "its activations (a budget above that compiles the closest, and names the least "
+            "budget that fits).",
+            table,
+            None,
+        )
+    least = min(c.total_bytes or 0 for c in compiled)
+    closest = sorted(compiled, key=lambda c: c.total_bytes or 0)[:CLOSEST_SHOWN]
+    shown = (
+        f"The closest compiled layouts ({len(closest)} of the {len(table)} rows, all in the "
+        "error's `table`):"
+    )
+    return NothingFits(
+        f"{message}\n\nThe least budget that fits: {budget_str(least)} "
+        f"(`budget={least}`, the error's `smallest_budget`; the compiles are "
+        f"cached, so the same search with it is quick).\n\n{text(closest, shown)}",
+        table,
+        least,
     )

@@ -42,14 +42,20 @@ def jaxpr_matmul_flops(jaxpr: Any, loops: bool) -> float:
     return total
 
 
-def loop_ratio(step: Any, *args: Any) -> float:
-    """The step's matmul flops over those `cost_analysis()` sees (1.0 without scans)."""
-    jaxpr = eqx.filter_make_jaxpr(step)(*args)[0].jaxpr
+def loop_ratio(jaxpr: Any) -> float:
+    """The step's matmul flops over those `cost_analysis()` sees (1.0 without scans), from
+    its `jaxpr`."""
     once = jaxpr_matmul_flops(jaxpr, loops=False)
     return jaxpr_matmul_flops(jaxpr, loops=True) / once if once else 1.0
 
 
-def matmul_flops(step: Any, *args: Any) -> float:
-    """The step's matmul flops over the whole batch, every scan's length counted: what a
-    pipeline's stages share out (the time model of `dimensions/stage/schedule.py`)."""
-    return jaxpr_matmul_flops(eqx.filter_make_jaxpr(step)(*args)[0].jaxpr, loops=True)
+def matmul_flops(jaxpr: Any) -> float:
+    """The step's matmul flops over the whole batch, every scan's length counted, from its
+    `jaxpr`: what a pipeline's stages share out (the time model of
+    `dimensions/stage/schedule.py`)."""
+    return jaxpr_matmul_flops(jaxpr, loops=True)
+
+
+def step_jaxpr(step: Any, *args: Any) -> Any:
+    """The step's jaxpr (a `ClosedJaxpr`) on `args`."""
+    return eqx.filter_make_jaxpr(step)(*args)[0]

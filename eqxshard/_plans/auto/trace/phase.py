@@ -15,7 +15,7 @@ import jax
 from ...._pipeline.stacked.configure import stacks
 from ...._tree import is_array_like
 from ..links import Link
-from ..measure.cache import shapes_key
+from ..measure.cache import Disk, ProblemKey, folder, shapes_key
 from ..rank import topology
 from . import arguments, flops
 from .own_pipeline import OwnPipeline, tracing
@@ -32,7 +32,7 @@ class Traced:
     devices and budget, the step's traced figures, and how the cost model reads links."""
 
     problem: Problem
-    problem_key: Any  # the problem's part of each compile's cache key
+    problem_key: ProblemKey  # the problem's part of each compile's cache key
     trace_args: tuple[Any, ...]  # the step's arguments, abstract: (model, [opt_state,] batch)
     devices: int  # how many devices the plan is for
     available: list[Any]  # the devices of this process a mesh may use
@@ -48,6 +48,7 @@ class Traced:
     links: dict[str, Link]  # the user's links by axis
     devices_per_node: int
     progress: bool | None
+    exclude: frozenset[str] = frozenset()  # the dimensions and layout families left out
 
     @property
     def local(self) -> int:
@@ -77,12 +78,15 @@ def trace(
     flops_per_second: float,
     compile_limit: int,
     progress: bool | None,
+    exclude: frozenset[str] = frozenset(),
+    cache_dir: Any = None,
 ) -> Traced:
     """`auto_plan`'s arguments checked (raising as it documents) and the step traced."""
     n, available = arguments.resolve_devices(devices)
     budget_bytes = arguments.resolve_budget(budget, available)
     arguments.check_options(optimizer, flops_per_second, rules, compile_limit)
     node = topology.check_devices_per_node(devices_per_node, n)
+    where = folder(cache_dir)
     model_abs = abstract(model)
     batch_abs = abstract(batch)
     size = arguments.batch_size(batch_abs)
@@ -96,11 +100,15 @@ def trace(
     )
     paths = tuple(stacks(model_abs))
     with tracing(own):
-        loops = flops.loop_ratio(step, *trace_args)
-        matmul = flops.matmul_flops(step, *trace_args) if paths or own else 0.0
+        jaxpr = flops.step_jaxpr(step, *trace_args)
+    loops = flops.loop_ratio(jaxpr.jaxpr)
+    matmul = flops.matmul_flops(jaxpr.jaxpr) if paths or own else 0.0
+    # On disk, the step is known by its jaxpr (its code, the model's statics and shapes).
+    disk = None if where is None else Disk.of(where, str(jaxpr), trace_args)
+    in_memory = (step, shapes_key(model_abs), shapes_key(opt_abs), shapes_key(batch_abs))
     return Traced(
         problem=Problem(step, model_abs, opt_abs, batch_abs),
-        problem_key=(step, shapes_key(model_abs), shapes_key(opt_abs), shapes_key(batch_abs)),
+        problem_key=ProblemKey(in_memory, disk),
         trace_args=trace_args,
         devices=n,
         available=available,
@@ -116,4 +124,5 @@ def trace(
         links=given,
         devices_per_node=node,
         progress=progress,
+        exclude=exclude,
     )

@@ -35,7 +35,10 @@ class Remat(Dimension):
         pending = [(job.layout, c) for job, c in measured.measured_rows()]
         rows = list(measured.rows)
         stacks = RematTrace(traced.problem.step, traced.trace_args, traced.tracing)
-        can_offload = supported(traced.available)
+        # Offload follows remat only where the search weighs offload at all.
+        can_offload = supported(traced.available) and any(
+            d.name == "offload" for d in search.dimensions
+        )
 
         def compiled(todo: list[Variant]) -> list[tuple[Layout, Candidate]]:
             """Each variant in `todo` compiled, with its row saying what it chose."""

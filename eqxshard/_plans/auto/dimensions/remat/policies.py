@@ -163,7 +163,7 @@ def described(
     )
     without = f"without it {format_bytes((base.total_bytes or 0) - budget)} over"
     extra = max(traced.recomputed(v.remat), 1.0) - 1
-    said = [f"{head}: {fit}; {without}", f"recomputes {extra:.0%} more matmul flops than no remat"]
+    said = [without, f"recomputes {extra:.0%} more matmul flops than no remat"]
     if policy == "offload":
         trips = host_round_trip(held, links)
         host_time += trips
@@ -176,6 +176,8 @@ def described(
     return dataclasses.replace(
         c,
         reason=reason,
+        choice_note=head,
+        budget_note=fit,
         host_time=host_time,
         time=time,
         bytes=parts,
