@@ -159,7 +159,7 @@ def run(n: int, e: int, d: int, hidden: int, k: int, repeats: int, timed: bool) 
     median = {name: statistics.median(s) if s else None for name, s in seconds.items()}
     base, dropless = median["dense, 1 device"], median["moe, dropless"]
     rows = []
-    for name, (layer, _, work, factor) in cases.items():
+    for name, (_, _, work, factor) in cases.items():
         m = median[name]
         dropped = "-"
         if factor is not None:
@@ -213,7 +213,8 @@ def main() -> None:
             f"jax {jax.__version__}, {jax.device_count()} x {jax.default_backend()}; "
             f"E={args.experts} experts (MLP {args.dim} -> {args.hidden} -> {args.dim}), "
             f"top-{args.top}, float32, forward + backward; expert axis of "
-            f"{jax.device_count()}; " + ("compiled only" if args.no_time else f"medians of {repeats}")
+            f"{jax.device_count()}; "
+            + ("compiled only" if args.no_time else f"medians of {repeats}")
         )
         rows = [
             (
@@ -229,9 +230,7 @@ def main() -> None:
             )
         ]
         for n in tokens:
-            rows += run(
-                n, args.experts, args.dim, args.hidden, args.top, repeats, not args.no_time
-            )
+            rows += run(n, args.experts, args.dim, args.hidden, args.top, repeats, not args.no_time)
         print_table(rows, right={0, 2, 3, 4, 5, 6, 7})
     print(text.getvalue(), end="")
     out = args.out or RESULTS / f"moe_cpu{'_quick' if args.quick else ''}.txt"

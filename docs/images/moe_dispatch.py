@@ -61,7 +61,7 @@ def _empty(ax: Axes, x: float, y: float, w: float) -> None:
 
 
 def draw(out: Path) -> int:
-    """Writes the picture; returns how many assignments it drew."""
+    """Writes the picture; returns how many assignment cells it drew."""
     capacity = math.ceil(1.0 * LOCAL * K / E)
     fig, (sent, dropless, capped) = figure(3, 8.5, text_as_text=True)
     drawn = 0
@@ -110,7 +110,8 @@ def draw(out: Path) -> int:
                     x = source * block + local * capacity + slot
                     if slot < len(mine):
                         t, _ = mine[slot]
-                        cell(capped, x, A - 1 - d, 1, colours(source), 0.8, f"t{t} e{e}", fontsize=6)
+                        label = f"t{t} e{e}"
+                        cell(capped, x, A - 1 - d, 1, colours(source), 0.8, label, fontsize=6)
                         drawn += 1
                     else:
                         _empty(capped, x, A - 1 - d, 1)
