@@ -41,8 +41,10 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -129,7 +131,9 @@ def run(n: int, e: int, d: int, hidden: int, k: int, repeats: int, timed: bool) 
     router = jax.random.normal(keys[3], (d, e))
     weights, indices = jax.lax.top_k(jax.nn.softmax(x @ router), k)
     local = n // a
-    cases = {"dense, 1 device": (dense, one, e * n, None)}
+    cases: dict[str, tuple[Callable[..., Any], Any, int, float | None]] = {
+        "dense, 1 device": (dense, one, e * n, None)
+    }
     cases["all_gather experts"] = (gathered(mesh), split, e * local, None)
     for factor in (None, 1.0, 1.25, 2.0):
 
