@@ -253,8 +253,8 @@ class StepReport:
 
     def footprint(self) -> dict[str, int]:
         """Bytes per device by part, adding up to `total_bytes`: each argument's leaves
-        (`args.0`, `args.1`, ..., `kwargs.x`, as leaf paths print), `outputs` (those that do not reuse a
-        donated argument's buffer), `temporaries` (the gradients, the activations and
+        (`args.0`, `args.1`, ..., `kwargs.x`, as leaf paths print), `outputs` (those that
+        do not reuse a donated argument's buffer), `temporaries` (the gradients, the activations and
         every other buffer the step holds while it runs) and, where the compiled
         arguments differ from their leaves' sum (padding), `other`. Empty where the
         backend does not say."""
