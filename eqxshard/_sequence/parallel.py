@@ -225,16 +225,7 @@ def context_parallel(
         ```
     """
     _check(axis=axis, strategy=strategy, causal=causal, mesh=mesh)
-    found = 0
-
-    def convert(x: Any) -> Any:
-        nonlocal found
-        if not _is_attention(x):
-            return x
-        found += 1
-        return ContextParallelAttention(x, axis=axis, strategy=strategy, causal=causal, mesh=mesh)
-
-    out = jax.tree_util.tree_map(convert, model, is_leaf=_is_attention)
+    out, found = convert(model, axis=axis, strategy=strategy, causal=causal, mesh=mesh)
     if not found:
         warnings.warn(
             f"`{VERB}` found no `eqx.nn.MultiheadAttention` in the model "

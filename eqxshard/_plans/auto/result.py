@@ -275,10 +275,13 @@ class Plan:
         """
         if not callable(step):
             raise TypeError(f"`Plan.jit` takes a callable `step`, but got {type(step).__name__}.")
+        if not isinstance(donate, bool):
+            raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
         mesh = self._concrete_mesh("jit")
-        offload = self._offloads_state
-        options = self._pipeline_options
-        return use.jit(step, mesh, self.rules, self.batch_spec, donate, offload, options)
+        in_step = use.in_step(self._pipeline_options)
+        return use.PlanStep(
+            step, mesh, self.rules, self.batch_spec, donate, self._offloads_state, in_step
+        )
 
     def apply(self, model: Any) -> Any:
         """`model` as the plan runs it: every `eqxshard.Stacked` in it rebuilt with the

@@ -120,22 +120,6 @@ def in_step(pipeline: Any) -> bool:
     return isinstance(pipeline, dict) and pipeline.get(IN_STEP, False) is True
 
 
-def jit(
-    step: Callable[..., Any],
-    mesh: Any,
-    rules: Any,
-    batch_spec: Any,
-    donate: bool,
-    offload: bool,
-    pipeline: Any = None,
-) -> PlanStep:
-    """`Plan.jit`, given the plan's concrete mesh, rules, batch spec and offload choice;
-    for a step that pipelines by itself (`pipeline`), run with the mesh set."""
-    if not isinstance(donate, bool):
-        raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
-    return PlanStep(step, mesh, rules, batch_spec, donate, offload, in_step(pipeline))
-
-
 def configured(verb: str, model: Any, mesh: Any, remat: dict[str, str] | str, pipeline: Any) -> Any:
     """`model` with its `Stacked` layers set to the plan's `remat` and `pipeline` (the
     model itself when the plan chose neither, or the step pipelines by itself)."""
