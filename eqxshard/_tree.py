@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -188,3 +190,41 @@ def device_name(device: Any) -> str:
     if isinstance(device, int):  # a position of an abstract mesh
         return f"device {device}"
     return f"{device.platform}:{device.id}"
+
+
+Verb = TypeVar("Verb", bound=Callable[..., Any])
+
+
+def fun_optional(check: Callable[..., object] | None = None) -> Callable[[Verb], Verb]:
+    """Lets a verb `verb(fun, **options)` also be called without `fun`, as a decorator
+    factory: `verb(**options)` returns `functools.partial(verb, **options)`, so that
+    `@verb(**options)` decorates `fun`.
+
+    `check`, if given, is called with every option of the verb (defaults filled in)
+    before anything else, with or without `fun`: a bad option is reported where it is
+    written, not only once the decorator is applied. A call that does not fit the verb's
+    signature raises the `TypeError` Python raises for it.
+    """
+
+    def decorate(verb: Verb) -> Verb:
+        signature = inspect.signature(verb)
+
+        @functools.wraps(verb)
+        def verb_or_decorator(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                verb(*args, **kwargs)  # raises Python's own error for this call
+                raise
+            bound.apply_defaults()
+            options = dict(bound.arguments)
+            fun = options.pop("fun")
+            if check is not None:
+                check(**options)
+            if fun is None:
+                return functools.partial(verb_or_decorator, **options)
+            return verb(*args, **kwargs)
+
+        return cast(Verb, verb_or_decorator)
+
+    return decorate

@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from .. import _compat
 from .._caches import register
 from .._compat import equinox_runtime_error, is_tracer
-from .._tree import Flat, Params, T
+from .._tree import Flat, Params, T, fun_optional
 from . import donate as _donate, layouts as _layouts
 from .entry import Entry, build, lay_out, output
 from .leaves import Split, hashable_key
@@ -66,6 +66,7 @@ def filter_jit(
 ) -> Callable[Params, T]: ...
 
 
+@fun_optional()
 def filter_jit(
     fun: Any = None,
     *,
@@ -199,15 +200,6 @@ def filter_jit(
         model, opt_state, loss = step(model, opt_state, x)
         ```
     """
-    if fun is None:
-        return ft.partial(
-            filter_jit,
-            donate=donate,
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            mesh=mesh,
-            move_inputs=move_inputs,
-        )
     if not callable(fun):
         raise TypeError(f"`filter_jit` takes a callable `fun`, but got {type(fun).__name__}.")
     _donate.check(donate)
