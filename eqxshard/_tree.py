@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar, cast
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -193,9 +193,41 @@ def device_name(device: Any) -> str:
 
 
 Verb = TypeVar("Verb", bound=Callable[..., Any])
+# A verb's options, after its `fun`.
+Options = ParamSpec("Options")
 
 
-def fun_optional(check: Callable[..., object] | None = None) -> Callable[[Verb], Verb]:
+class KeepsSignature(Protocol[Options]):
+    """The type of a verb `verb(fun, **options)` that returns a function with `fun`'s
+    signature, and without `fun` a decorator that does (`fun_optional(keeps_signature=True)`).
+    """
+
+    @overload
+    def __call__(
+        self, fun: Callable[Params, T], /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[Params, T]: ...
+
+    @overload
+    def __call__(
+        self, fun: None = None, /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
+
+
+@overload
+def fun_optional(
+    check: Callable[..., object] | None = None, *, keeps_signature: Literal[True]
+) -> Callable[[Callable[Concatenate[Any, Options], Any]], KeepsSignature[Options]]: ...
+
+
+@overload
+def fun_optional(
+    check: Callable[..., object] | None = None, *, keeps_signature: Literal[False] = False
+) -> Callable[[Verb], Verb]: ...
+
+
+def fun_optional(
+    check: Callable[..., object] | None = None, *, keeps_signature: bool = False
+) -> Callable[[Any], Any]:
     """Lets a verb `verb(fun, **options)` also be called without `fun`, as a decorator
     factory: `verb(**options)` returns `functools.partial(verb, **options)`, so that
     `@verb(**options)` decorates `fun`.
@@ -204,9 +236,13 @@ def fun_optional(check: Callable[..., object] | None = None) -> Callable[[Verb],
     before anything else, with or without `fun`: a bad option is reported where it is
     written, not only once the decorator is applied. A call that does not fit the verb's
     signature raises the `TypeError` Python raises for it.
+
+    With `keeps_signature=True` the verb is typed as `KeepsSignature` (it returns a
+    function with `fun`'s signature, as `filter_map` and `filter_jit` do), else as
+    written (its own `@overload`s, if any).
     """
 
-    def decorate(verb: Verb) -> Verb:
+    def decorate(verb: Any) -> Any:
         signature = inspect.signature(verb)
 
         @functools.wraps(verb)
@@ -225,6 +261,6 @@ def fun_optional(check: Callable[..., object] | None = None) -> Callable[[Verb],
                 return functools.partial(verb_or_decorator, **options)
             return verb(*args, **kwargs)
 
-        return cast(Verb, verb_or_decorator)
+        return verb_or_decorator
 
     return decorate

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any, overload
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -21,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .._compat import axis_type_map, is_tracer, traced_sharding
 from .._placement import committed, place
-from .._tree import Flat, Params, T, fun_optional, pathstr
+from .._tree import Flat, fun_optional, pathstr
 from .axis_name import check_axis_name_size, check_no_collectives
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import (
@@ -34,34 +34,6 @@ from .chunks import (
     vmapped_body,
 )
 from .stream_host import check_dtypes
-
-
-@overload
-def filter_map(
-    fun: None = None,
-    *,
-    batch_size: int | str | None = None,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    axis_name: Hashable = None,
-    axis_size: int | None = None,
-    remat: bool = False,
-    memory_budget: int | float | None = None,
-) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
-
-
-@overload
-def filter_map(
-    fun: Callable[Params, T],
-    *,
-    batch_size: int | str | None = None,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    axis_name: Hashable = None,
-    axis_size: int | None = None,
-    remat: bool = False,
-    memory_budget: int | float | None = None,
-) -> Callable[Params, T]: ...
 
 
 def _check_options(
@@ -81,7 +53,7 @@ def _check_options(
         raise TypeError(f"`filter_map(remat=...)` must be a bool, got {type(remat).__name__}.")
 
 
-@fun_optional(check=_check_options)
+@fun_optional(check=_check_options, keeps_signature=True)
 def filter_map(
     fun: Callable[..., Any] | None = None,
     *,

@@ -20,8 +20,8 @@ import inspect
 import operator
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any, overload
+from collections.abc import Iterator
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from .. import _compat
 from .._caches import register
 from .._compat import equinox_runtime_error, is_tracer
-from .._tree import Flat, Params, T, fun_optional
+from .._tree import Flat, fun_optional
 from . import donate as _donate, layouts as _layouts
 from .entry import Entry, build, lay_out, output
 from .leaves import Split, hashable_key
@@ -42,31 +42,7 @@ SITES: dict[Any, dict[Any, Any]] = {}
 register(SITES.clear)
 
 
-@overload
-def filter_jit(
-    fun: None = None,
-    *,
-    donate: Any = "none",
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    mesh: Any = None,
-    move_inputs: bool = True,
-) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
-
-
-@overload
-def filter_jit(
-    fun: Callable[Params, T],
-    *,
-    donate: Any = "none",
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    mesh: Any = None,
-    move_inputs: bool = True,
-) -> Callable[Params, T]: ...
-
-
-@fun_optional()
+@fun_optional(keeps_signature=True)
 def filter_jit(
     fun: Any = None,
     *,
