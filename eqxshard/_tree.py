@@ -192,7 +192,6 @@ def device_name(device: Any) -> str:
     return f"{device.platform}:{device.id}"
 
 
-Verb = TypeVar("Verb", bound=Callable[..., Any])
 # A verb's options, after its `fun`.
 Options = ParamSpec("Options")
 
@@ -213,6 +212,22 @@ class KeepsSignature(Protocol[Options]):
     ) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
 
 
+class ReturnsFunction(Protocol[Options]):
+    """The type of a verb `verb(fun, **options)` that returns a function, and without
+    `fun` a decorator that does (`fun_optional()`).
+    """
+
+    @overload
+    def __call__(
+        self, fun: Callable[..., Any], /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[..., Any]: ...
+
+    @overload
+    def __call__(
+        self, fun: None = None, /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
 @overload
 def fun_optional(
     check: Callable[..., object] | None = None, *, keeps_signature: Literal[True]
@@ -222,7 +237,7 @@ def fun_optional(
 @overload
 def fun_optional(
     check: Callable[..., object] | None = None, *, keeps_signature: Literal[False] = False
-) -> Callable[[Verb], Verb]: ...
+) -> Callable[[Callable[Concatenate[Any, Options], Any]], ReturnsFunction[Options]]: ...
 
 
 def fun_optional(
@@ -239,7 +254,7 @@ def fun_optional(
 
     With `keeps_signature=True` the verb is typed as `KeepsSignature` (it returns a
     function with `fun`'s signature, as `filter_map` and `filter_jit` do), else as
-    written (its own `@overload`s, if any).
+    `ReturnsFunction`.
     """
 
     def decorate(verb: Any) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools as ft
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -193,32 +193,6 @@ def _run(
                 bar.update(stop - start)
         assert mapped_out is not None
     return traces[0].output(mapped_out, [np.asarray(u) for u in unmapped_out], np.moveaxis)
-
-
-@overload
-def filter_stream(
-    fun: None = None,
-    *,
-    batch_size: int,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    mesh: Mesh | None = None,
-    progress: bool = True,
-    desc: str | None = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
-
-
-@overload
-def filter_stream(
-    fun: Callable[..., Any],
-    *,
-    batch_size: int,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    mesh: Mesh | None = None,
-    progress: bool = True,
-    desc: str | None = None,
-) -> Callable[..., Any]: ...
 
 
 def _check_batch_size(*, batch_size: Any, **_: Any) -> None:
