@@ -279,3 +279,25 @@ def fun_optional(
         return verb_or_decorator
 
     return decorate
+
+
+def leading_dim(tree: Any) -> tuple[int | None, list[tuple[str, str]]]:
+    """The leading dim most array leaves of `tree` share (abstract leaves too), and a row
+    `(path, "shape ...")` for each array leaf that does not have it: a stack's size and its
+    misfits, for the verbs that take stacked layers or experts.
+
+    `(None, [])` if `tree` has no array leaf; `(None, rows)` of every array leaf if none of
+    them has a dim. The most common dim wins; on a tie, the first leaf's.
+    """
+    leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if is_array_like(x)]
+    counts: dict[int, int] = {}
+    for _, x in leaves:
+        if x.ndim:
+            counts[x.shape[0]] = counts.get(x.shape[0], 0) + 1
+    n = max(counts, key=lambda d: counts[d]) if counts else None
+    rows = [
+        (pathstr(p), f"shape {shape_str(x.shape)}")
+        for p, x in leaves
+        if not x.ndim or x.shape[0] != n
+    ]
+    return n, rows
