@@ -17,28 +17,43 @@ from ._processes.setup_check import SetupReport
 from ._step.describe_step import StepLeaf, StepReport
 from ._tree import dotted_path
 
+
+def _same_name(module: str, why: str, **objects: Any) -> dict[str, tuple[str, Any, str]]:
+    """The entries of `MOVED` for names that moved to `module` and kept their name."""
+    return {name: (f"{module}.{name}", value, why) for name, value in objects.items()}
+
+
 # Old top-level name -> (its new name, as users write it; the object; why it moved).
-_REPORT = "the records of reports moved to `eqxshard.report`"
-_RULES = "what a rule of your own needs moved to `eqxshard.rules`"
-_LINKS = "the links `auto_plan` times moved to `eqxshard.links`"
 MOVED: dict[str, tuple[str, Any, str]] = {
     "filter_plan": (
         "eqxshard.filter_shardings",
         filter_shardings,
         "renamed for what it returns: shardings, not a `Plan`",
     ),
-    "Candidate": ("eqxshard.report.Candidate", Candidate, _REPORT),
-    "LeafRow": ("eqxshard.report.LeafRow", LeafRow, _REPORT),
-    "ShardingTable": ("eqxshard.report.ShardingTable", ShardingTable, _REPORT),
-    "StageRow": ("eqxshard.report.StageRow", StageRow, _REPORT),
-    "StepLeaf": ("eqxshard.report.StepLeaf", StepLeaf, _REPORT),
-    "StepReport": ("eqxshard.report.StepReport", StepReport, _REPORT),
-    "SetupReport": ("eqxshard.report.SetupReport", SetupReport, _REPORT),
-    "Link": ("eqxshard.links.Link", Link, _LINKS),
-    "LINKS": ("eqxshard.links.LINKS", LINKS, _LINKS),
-    "Rule": ("eqxshard.rules.Rule", Rule, _RULES),
-    "NO_MATCH": ("eqxshard.rules.NO_MATCH", NO_MATCH, _RULES),
-    "dotted_path": ("eqxshard.rules.dotted_path", dotted_path, _RULES),
+    **_same_name(
+        "eqxshard.report",
+        "the records of reports moved to `eqxshard.report`",
+        Candidate=Candidate,
+        LeafRow=LeafRow,
+        ShardingTable=ShardingTable,
+        StageRow=StageRow,
+        StepLeaf=StepLeaf,
+        StepReport=StepReport,
+        SetupReport=SetupReport,
+    ),
+    **_same_name(
+        "eqxshard.links",
+        "the links `auto_plan` times moved to `eqxshard.links`",
+        Link=Link,
+        LINKS=LINKS,
+    ),
+    **_same_name(
+        "eqxshard.rules",
+        "what a rule of your own needs moved to `eqxshard.rules`",
+        Rule=Rule,
+        NO_MATCH=NO_MATCH,
+        dotted_path=dotted_path,
+    ),
 }
 
 

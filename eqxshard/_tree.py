@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
 import equinox as eqx
 import jax
@@ -188,3 +190,114 @@ def device_name(device: Any) -> str:
     if isinstance(device, int):  # a position of an abstract mesh
         return f"device {device}"
     return f"{device.platform}:{device.id}"
+
+
+# A verb's options, after its `fun`.
+Options = ParamSpec("Options")
+
+
+class KeepsSignature(Protocol[Options]):
+    """The type of a verb `verb(fun, **options)` that returns a function with `fun`'s
+    signature, and without `fun` a decorator that does (`fun_optional(keeps_signature=True)`).
+    """
+
+    @overload
+    def __call__(
+        self, fun: Callable[Params, T], /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[Params, T]: ...
+
+    @overload
+    def __call__(
+        self, fun: None = None, /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
+
+
+class ReturnsFunction(Protocol[Options]):
+    """The type of a verb `verb(fun, **options)` that returns a function, and without
+    `fun` a decorator that does (`fun_optional()`).
+    """
+
+    @overload
+    def __call__(
+        self, fun: Callable[..., Any], /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[..., Any]: ...
+
+    @overload
+    def __call__(
+        self, fun: None = None, /, *args: Options.args, **kwargs: Options.kwargs
+    ) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+
+
+@overload
+def fun_optional(
+    check: Callable[..., object] | None = None, *, keeps_signature: Literal[True]
+) -> Callable[[Callable[Concatenate[Any, Options], Any]], KeepsSignature[Options]]: ...
+
+
+@overload
+def fun_optional(
+    check: Callable[..., object] | None = None, *, keeps_signature: Literal[False] = False
+) -> Callable[[Callable[Concatenate[Any, Options], Any]], ReturnsFunction[Options]]: ...
+
+
+def fun_optional(
+    check: Callable[..., object] | None = None, *, keeps_signature: bool = False
+) -> Callable[[Any], Any]:
+    """Lets a verb `verb(fun, **options)` also be called without `fun`, as a decorator
+    factory: `verb(**options)` returns `functools.partial(verb, **options)`, so that
+    `@verb(**options)` decorates `fun`.
+
+    `check`, if given, is called with every option of the verb (defaults filled in)
+    before anything else, with or without `fun`: a bad option is reported where it is
+    written, not only once the decorator is applied. A call that does not fit the verb's
+    signature raises the `TypeError` Python raises for it.
+
+    With `keeps_signature=True` the verb is typed as `KeepsSignature` (it returns a
+    function with `fun`'s signature, as `filter_map` and `filter_jit` do), else as
+    `ReturnsFunction`.
+    """
+
+    def decorate(verb: Any) -> Any:
+        signature = inspect.signature(verb)
+
+        @functools.wraps(verb)
+        def verb_or_decorator(*args: Any, **kwargs: Any) -> Any:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                verb(*args, **kwargs)  # raises Python's own error for this call
+                raise
+            bound.apply_defaults()
+            options = dict(bound.arguments)
+            fun = options.pop("fun")
+            if check is not None:
+                check(**options)
+            if fun is None:
+                return functools.partial(verb_or_decorator, **options)
+            return verb(*args, **kwargs)
+
+        return verb_or_decorator
+
+    return decorate
+
+
+def leading_dim(tree: Any) -> tuple[int | None, list[tuple[str, str]]]:
+    """The leading dim most array leaves of `tree` share (abstract leaves too), and a row
+    `(path, "shape ...")` for each array leaf that does not have it: a stack's size and its
+    misfits, for the verbs that take stacked layers or experts.
+
+    `(None, [])` if `tree` has no array leaf; `(None, rows)` of every array leaf if none of
+    them has a dim. The most common dim wins; on a tie, the first leaf's.
+    """
+    leaves = [(p, x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0] if is_array_like(x)]
+    counts: dict[int, int] = {}
+    for _, x in leaves:
+        if x.ndim:
+            counts[x.shape[0]] = counts.get(x.shape[0], 0) + 1
+    n = max(counts, key=lambda d: counts[d]) if counts else None
+    rows = [
+        (pathstr(p), f"shape {shape_str(x.shape)}")
+        for p, x in leaves
+        if not x.ndim or x.shape[0] != n
+    ]
+    return n, rows

@@ -403,14 +403,14 @@ def test_error_no_mesh():
 
 
 def test_error_mesh_type():
-    f = filter_shard_map(normalize, mesh=jax.devices(), in_specs=P("i"), out_specs=P("i"))  # pyright: ignore[reportArgumentType]
+    f = filter_shard_map(normalize, mesh=jax.devices(), in_specs=P("i"), out_specs=P("i"))  # pyright: ignore[reportArgumentType, reportCallIssue]
     with pytest.raises(TypeError, match=r"`filter_shard_map\(mesh=...\)` must be a .*Mesh"):
         f(jnp.arange(8.0))
 
 
 def test_error_fun_and_kwargs():
     with pytest.raises(TypeError, match="needs a callable `fun`"):
-        filter_shard_map(3, mesh=mesh1(), in_specs=P(), out_specs=P())  # pyright: ignore[reportArgumentType]
+        filter_shard_map(3, mesh=mesh1(), in_specs=P(), out_specs=P())  # pyright: ignore[reportArgumentType, reportCallIssue]
     f = filter_shard_map(lambda x: x, mesh=mesh1(), in_specs=P(), out_specs=P())
     with pytest.raises(TypeError, match=r"positional arguments only.*\['x'\]"):
         f(x=jnp.ones(8))

@@ -8,12 +8,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from .. import _compat
-from .._tree import is_array_like, leaf_error, pathstr, shape_str
+from .._tree import leading_dim, leaf_error, shape_str
 
 
 @dataclass(frozen=True)
@@ -43,36 +42,36 @@ class Problem:
 def expert_count(experts: Any, verb: str) -> int:
     """The leading (expert) dim every array leaf of `experts` shares, or a `ValueError`
     listing the leaves that disagree."""
-    leaves = [
-        (p, x) for p, x in jax.tree_util.tree_flatten_with_path(experts)[0] if is_array_like(x)
-    ]
-    if not leaves:
+    n, bad = leading_dim(experts)
+    if n is None and not bad:
         raise ValueError(
             f"`{verb}` got `experts` with no array leaves; expected the experts stacked along "
             "a leading expert dim: `eqx.filter_vmap(make_expert)(jax.random.split(key, E))`."
         )
-    dims = [x.shape[0] if x.ndim else None for _, x in leaves]
-    counts: dict[int, int] = {}
-    for d in dims:
-        if d is not None:
-            counts[d] = counts.get(d, 0) + 1
-    n = max(counts, key=lambda d: counts[d]) if counts else None
-    bad = [
-        (pathstr(p), f"shape {shape_str(x.shape)}")
-        for (p, x), d in zip(leaves, dims, strict=True)
-        if d != n
-    ]
     if n is None or bad:
         raise ValueError(
             leaf_error(
                 f"`{verb}` needs every array leaf of `experts` to have the same leading "
                 f"(expert) dim; most have {n}, these do not:",
-                bad or [(pathstr(p), "shape ()") for p, _ in leaves],
+                bad,
                 "Stack the experts with `eqx.filter_vmap(make_expert)(keys)`, and keep arrays "
                 "that every expert shares outside `experts` (or as non-array leaves).",
             )
         )
     return n
+
+
+def check_capacity_factor(capacity_factor: Any, verb: str) -> None:
+    """A `ValueError` unless `capacity_factor` is `None` (dropless) or a number > 0."""
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, (int, float))
+        or not capacity_factor > 0
+    ):
+        raise ValueError(
+            f"`{verb}` takes `capacity_factor` as a number > 0, or `None` (dropless), but got "
+            f"{capacity_factor!r}."
+        )
 
 
 def _mesh(mesh: Any, verb: str) -> Mesh | AbstractMesh:
@@ -135,15 +134,7 @@ def check(
             f"{sizes[axis]}. Use a multiple of {sizes[axis]} experts, or a mesh whose "
             f"{axis!r} axis size divides {n_experts}."
         )
-    if capacity_factor is not None and (
-        isinstance(capacity_factor, bool)
-        or not isinstance(capacity_factor, (int, float))
-        or not capacity_factor > 0
-    ):
-        raise ValueError(
-            f"`{verb}` takes `capacity_factor` as a number > 0, or `None` (dropless), but got "
-            f"{capacity_factor!r}."
-        )
+    check_capacity_factor(capacity_factor, verb)
     shape_x = tuple(getattr(x, "shape", ()))
     if not hasattr(x, "dtype") or len(shape_x) != 2:
         raise ValueError(

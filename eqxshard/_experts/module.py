@@ -10,7 +10,7 @@ import equinox as eqx
 import jax
 from jax.sharding import AbstractMesh, Mesh
 
-from .checks import expert_count
+from .checks import check_capacity_factor, expert_count
 from .moe import moe
 
 FIELD = "expert_blocks"
@@ -64,12 +64,11 @@ class Experts(eqx.Module):
     !!! Example
 
         ```python
+        keys = jax.random.split(jax.random.key(0), 8)
+        blocks = eqx.filter_vmap(lambda k: eqx.nn.MLP(16, 16, 32, 1, key=k))(keys)  # 8 experts
         auto = (jax.sharding.AxisType.Auto,) * 2
         mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=auto)
-        keys = jax.random.split(jax.random.key(0), 8)
-        layer = eqxshard.Experts(
-            eqx.filter_vmap(lambda k: eqx.nn.MLP(16, 16, 32, 1, key=k))(keys), mesh=mesh
-        )
+        layer = eqxshard.Experts(blocks, mesh=mesh)
         layer = eqxshard.filter_shard(layer, mesh, eqxshard.experts("expert"))
         x = jax.random.normal(jax.random.key(1), (64, 16))
         router = jax.random.normal(jax.random.key(2), (16, 8))
@@ -105,15 +104,7 @@ class Experts(eqx.Module):
                 f"`Experts` takes `expert` as a function `expert(block, h)`, or None, but got "
                 f"{expert!r}."
             )
-        if capacity_factor is not None and (
-            isinstance(capacity_factor, bool)
-            or not isinstance(capacity_factor, (int, float))
-            or not capacity_factor > 0
-        ):
-            raise ValueError(
-                "`Experts` takes `capacity_factor` as a number > 0, or `None` (dropless), but "
-                f"got {capacity_factor!r}."
-            )
+        check_capacity_factor(capacity_factor, "Experts")
         self.expert_blocks = blocks
         self.expert, self.axis, self.data_axes = expert, axis, data_axes
         self.capacity_factor, self.mesh = capacity_factor, mesh

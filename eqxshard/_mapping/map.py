@@ -8,11 +8,10 @@ and one `lax.scan` over the chunks with the remainder in a `vmap`.
 from __future__ import annotations
 
 import dataclasses
-import functools as ft
 import math
 import warnings
 from collections.abc import Callable, Hashable
-from typing import Any, overload
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -22,7 +21,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from .._compat import axis_type_map, is_tracer, traced_sharding
 from .._placement import committed, place
-from .._tree import Flat, Params, T, pathstr
+from .._tree import Flat, fun_optional, pathstr
 from .axis_name import check_axis_name_size, check_no_collectives
 from .budget import AutoBatchSize, check_memory_budget
 from .chunks import (
@@ -37,34 +36,24 @@ from .chunks import (
 from .stream_host import check_dtypes
 
 
-@overload
-def filter_map(
-    fun: None = None,
+def _check_options(
     *,
-    batch_size: int | str | None = None,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    axis_name: Hashable = None,
-    axis_size: int | None = None,
-    remat: bool = False,
-    memory_budget: int | float | None = None,
-) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
+    batch_size: Any,
+    memory_budget: Any,
+    axis_name: Any,
+    axis_size: Any,
+    remat: Any,
+    **_: Any,
+) -> None:
+    """Checks `filter_map`'s options, with or without `fun`."""
+    check_batch_size(batch_size, "filter_map", allow_auto=True)
+    check_memory_budget(memory_budget, batch_size, "filter_map")
+    check_axis_name_size(axis_name, axis_size, "filter_map")
+    if not isinstance(remat, bool):
+        raise TypeError(f"`filter_map(remat=...)` must be a bool, got {type(remat).__name__}.")
 
 
-@overload
-def filter_map(
-    fun: Callable[Params, T],
-    *,
-    batch_size: int | str | None = None,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    axis_name: Hashable = None,
-    axis_size: int | None = None,
-    remat: bool = False,
-    memory_budget: int | float | None = None,
-) -> Callable[Params, T]: ...
-
-
+@fun_optional(check=_check_options, keeps_signature=True)
 def filter_map(
     fun: Callable[..., Any] | None = None,
     *,
@@ -191,22 +180,6 @@ def filter_map(
         )(model, grid.reshape(-1, 2))
         ```
     """
-    check_batch_size(batch_size, "filter_map", allow_auto=True)
-    check_memory_budget(memory_budget, batch_size, "filter_map")
-    check_axis_name_size(axis_name, axis_size, "filter_map")
-    if not isinstance(remat, bool):
-        raise TypeError(f"`filter_map(remat=...)` must be a bool, got {type(remat).__name__}.")
-    if fun is None:
-        return ft.partial(
-            filter_map,
-            batch_size=batch_size,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            axis_name=axis_name,
-            axis_size=axis_size,
-            remat=remat,
-            memory_budget=memory_budget,
-        )
     auto = AutoBatchSize("filter_map", memory_budget) if batch_size == "auto" else None
     if not callable(fun):
         raise TypeError(f"`filter_map(fun)` must be callable, got {type(fun).__name__}.")

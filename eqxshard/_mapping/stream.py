@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools as ft
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -18,7 +18,7 @@ import tqdm
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._compat import is_tracer
-from .._tree import pathstr
+from .._tree import fun_optional, pathstr
 from .chunks import (
     IF_ARRAY_0,
     Trace,
@@ -195,32 +195,12 @@ def _run(
     return traces[0].output(mapped_out, [np.asarray(u) for u in unmapped_out], np.moveaxis)
 
 
-@overload
-def filter_stream(
-    fun: None = None,
-    *,
-    batch_size: int,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    mesh: Mesh | None = None,
-    progress: bool = True,
-    desc: str | None = None,
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]: ...
+def _check_batch_size(*, batch_size: Any, **_: Any) -> None:
+    """Checks `filter_stream`'s `batch_size`, with or without `fun`."""
+    check_batch_size(batch_size, NAME, allow_none=False)
 
 
-@overload
-def filter_stream(
-    fun: Callable[..., Any],
-    *,
-    batch_size: int,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
-    mesh: Mesh | None = None,
-    progress: bool = True,
-    desc: str | None = None,
-) -> Callable[..., Any]: ...
-
-
+@fun_optional(check=_check_batch_size)
 def filter_stream(
     fun: Callable[..., Any] | None = None,
     *,
@@ -322,17 +302,6 @@ def filter_stream(
         values = predict(model, data)  # np.ndarray of shape (10000, 1)
         ```
     """
-    check_batch_size(batch_size, NAME, allow_none=False)
-    if fun is None:
-        return ft.partial(
-            filter_stream,
-            batch_size=batch_size,
-            in_axes=in_axes,
-            out_axes=out_axes,
-            mesh=mesh,
-            progress=progress,
-            desc=desc,
-        )
     if not callable(fun):
         raise TypeError(f"`{NAME}(fun)` must be callable, got {type(fun).__name__}.")
     if desc is not None and not isinstance(desc, str):

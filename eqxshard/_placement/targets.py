@@ -273,3 +273,21 @@ def _warn_unused(verb: str, asked: dict[int, tuple[Any, list[tuple[Any, Any, Any
 
 def _short(t: Any) -> str:
     return type(t).__name__ if isinstance(t, (Sharding, Mesh)) else repr(t)
+
+
+def given_mesh(verb: str, mesh: Any) -> Mesh | AbstractMesh:
+    """`mesh`, or the ambient mesh when it is `None`, checked to be a mesh (for `verb`'s
+    errors)."""
+    if mesh is None:
+        mesh = _compat.ambient_mesh()
+        if mesh is None:
+            raise ValueError(
+                f"`{verb}` was called without a `mesh` and no mesh is set. Pass "
+                f"`{verb}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
+            )
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+        raise TypeError(
+            f"`{verb}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
+            f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
+        )
+    return mesh

@@ -8,26 +8,9 @@ from typing import Any
 from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .. import _compat
+from .._placement.targets import given_mesh
 
 _VERB = "filter_shard_map"
-
-
-def given_mesh(verb: str, mesh: Any) -> Mesh | AbstractMesh:
-    """`mesh`, or the ambient mesh when it is `None`, checked to be a mesh (for `verb`'s
-    errors)."""
-    if mesh is None:
-        mesh = _compat.ambient_mesh()
-        if mesh is None:
-            raise ValueError(
-                f"`{verb}` was called without a `mesh` and no mesh is set. Pass "
-                f"`{verb}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
-            )
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"`{verb}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
-            f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
-        )
-    return mesh
 
 
 def get_mesh(mesh: Any) -> Mesh | AbstractMesh:

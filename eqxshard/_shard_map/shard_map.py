@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 from .. import _compat
 from .._placement import committed, place, targets
 from .._placement.specs import check_specs
-from .._tree import Flat, leaf_error, pathstr
+from .._tree import Flat, fun_optional, leaf_error, pathstr
 from .axes import get_mesh, has_explicit, manual_axes
 from .specs import check_out_specs, check_spec_values, scalars_as_arrays, specs_per_leaf
 
@@ -154,6 +154,7 @@ def _call(
     return out_tree.rebuild(dict(zip(out_tree.array_indices, outs, strict=True)))
 
 
+@fun_optional()
 def filter_shard_map(
     fun: Callable | None = None,
     *,
@@ -257,15 +258,6 @@ def filter_shard_map(
         y, loss = step(model, jnp.ones((8 * jax.device_count(), 4)))
         ```
     """
-    if fun is None:
-        return ft.partial(
-            filter_shard_map,
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=out_specs,
-            axis_names=axis_names,
-            check_vma=check_vma,
-        )
     if not callable(fun):
         raise TypeError(f"`{_VERB}` needs a callable `fun`, got {type(fun).__name__}.")
 

@@ -20,8 +20,8 @@ import inspect
 import operator
 import os
 import warnings
-from collections.abc import Callable, Iterator
-from typing import Any, overload
+from collections.abc import Iterator
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -31,7 +31,7 @@ from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from .. import _compat
 from .._caches import register
 from .._compat import equinox_runtime_error, is_tracer
-from .._tree import Flat, Params, T
+from .._tree import Flat, fun_optional
 from . import donate as _donate, layouts as _layouts
 from .entry import Entry, build, lay_out, output
 from .leaves import Split, hashable_key
@@ -42,30 +42,7 @@ SITES: dict[Any, dict[Any, Any]] = {}
 register(SITES.clear)
 
 
-@overload
-def filter_jit(
-    fun: None = None,
-    *,
-    donate: Any = "none",
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    mesh: Any = None,
-    move_inputs: bool = True,
-) -> Callable[[Callable[Params, T]], Callable[Params, T]]: ...
-
-
-@overload
-def filter_jit(
-    fun: Callable[Params, T],
-    *,
-    donate: Any = "none",
-    in_shardings: Any = None,
-    out_shardings: Any = None,
-    mesh: Any = None,
-    move_inputs: bool = True,
-) -> Callable[Params, T]: ...
-
-
+@fun_optional(keeps_signature=True)
 def filter_jit(
     fun: Any = None,
     *,
@@ -199,15 +176,6 @@ def filter_jit(
         model, opt_state, loss = step(model, opt_state, x)
         ```
     """
-    if fun is None:
-        return ft.partial(
-            filter_jit,
-            donate=donate,
-            in_shardings=in_shardings,
-            out_shardings=out_shardings,
-            mesh=mesh,
-            move_inputs=move_inputs,
-        )
     if not callable(fun):
         raise TypeError(f"`filter_jit` takes a callable `fun`, but got {type(fun).__name__}.")
     _donate.check(donate)
