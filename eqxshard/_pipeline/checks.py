@@ -10,7 +10,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from .. import _compat
-from .._shard_map.axes import given_mesh
+from .._placement.targets import given_mesh
 from .._tree import Flat, leaf_error, pathstr, shape_str
 from .bubble import bubble_fraction
 

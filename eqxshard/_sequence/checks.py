@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
-from .. import _compat
+from .._placement.targets import given_mesh
 
 VERB = "context_attention"
 STRATEGIES = ("ring", "all_gather", "all_to_all")
@@ -36,19 +36,7 @@ class Problem:
 
 def mesh_of(mesh: Any) -> Mesh | AbstractMesh:
     """`mesh`, or the mesh set by `jax.set_mesh`."""
-    if mesh is None:
-        mesh = _compat.ambient_mesh()
-        if mesh is None:
-            raise ValueError(
-                f"`{VERB}` was called without a `mesh` and no mesh is set. Pass "
-                f"`{VERB}(..., mesh=mesh)`, or call it inside `with jax.set_mesh(mesh):`."
-            )
-    if not isinstance(mesh, (Mesh, AbstractMesh)):
-        raise TypeError(
-            f"`{VERB}(mesh=...)` must be a `jax.sharding.Mesh` or `AbstractMesh`, got "
-            f"{type(mesh).__name__}. Build one with `jax.make_mesh(shape, names)`."
-        )
-    return mesh
+    return given_mesh(VERB, mesh)
 
 
 def _shape(name: str, x: Any, ndim: int, dims: str) -> tuple[int, ...]:
