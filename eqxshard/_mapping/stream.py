@@ -19,15 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._compat import is_tracer
 from .._tree import fun_optional, pathstr
-from .chunks import (
-    IF_ARRAY_0,
-    Trace,
-    check_batch_size,
-    check_mapped_leaves,
-    named_in_axes,
-    resolve_axes,
-    vmapped_body,
-)
+from . import chunks
 from .stream_host import NAME, check_dtypes, host_chunk, output_to_host, rows_from_host
 
 
@@ -46,7 +38,7 @@ def _hashable(tree: Any) -> tuple[Any, ...]:
     return treedef, tuple(leaves)
 
 
-Step = tuple[Callable[..., Any], list[Trace]]
+Step = tuple[Callable[..., Any], list[chunks.Trace]]
 
 
 def compiled_step(
@@ -78,14 +70,14 @@ def compiled_step(
         key, hit = None, None
     if hit is not None:
         return hit
-    traces: list[Trace] = []
+    traces: list[chunks.Trace] = []
 
     @jax.jit
     def step(chunk: list[Any], consts: list[Any]) -> Any:
         full = list(static)
         for i, c in zip(const_idx, consts, strict=True):
             full[i] = c
-        return vmapped_body(fun, args_def, full, idx, out_axes, traces, NAME)(chunk)
+        return chunks.vmapped_body(fun, args_def, full, idx, out_axes, traces, NAME)(chunk)
 
     if key is not None:
         cache[key] = (step, traces)
@@ -114,14 +106,15 @@ def _run(
             "Inside a transformation use `eqxshard.filter_map` instead."
         )
     check_dtypes(NAME, paths, leaves)
-    in_axes = named_in_axes(fun, in_axes, args, NAME)
-    ax = {i: a for i, a in enumerate(resolve_axes(args, in_axes, "in_axes", NAME)) if a is not None}
+    in_axes = chunks.named_in_axes(fun, in_axes, args, NAME)
+    resolved = chunks.resolve_axes(args, in_axes, "in_axes", NAME)
+    ax = {i: a for i, a in enumerate(resolved) if a is not None}
     if not ax:
         raise ValueError(
             f"`{NAME}` found nothing to stream: `in_axes` maps no argument. Give the inputs "
             "to stream an int axis (the default `eqx.if_array(0)` maps every array)."
         )
-    n = check_mapped_leaves(paths, leaves, ax, NAME, host=True)
+    n = chunks.check_mapped_leaves(paths, leaves, ax, NAME, host=True)
     idx = list(ax)
     streamed = [leaves[i] if ax[i] == 0 else np.moveaxis(leaves[i], ax[i], 0) for i in idx]
     if isinstance(mesh, Mesh):
@@ -197,7 +190,7 @@ def _run(
 
 def _check_batch_size(*, batch_size: Any, **_: Any) -> None:
     """Checks `filter_stream`'s `batch_size`, with or without `fun`."""
-    check_batch_size(batch_size, NAME, allow_none=False)
+    chunks.check_batch_size(batch_size, NAME, allow_none=False)
 
 
 @fun_optional(check=_check_batch_size)
@@ -205,8 +198,8 @@ def filter_stream(
     fun: Callable[..., Any] | None = None,
     *,
     batch_size: int,
-    in_axes: Any = IF_ARRAY_0,
-    out_axes: Any = IF_ARRAY_0,
+    in_axes: Any = chunks.IF_ARRAY_0,
+    out_axes: Any = chunks.IF_ARRAY_0,
     mesh: Mesh | None = None,
     progress: bool = True,
     desc: str | None = None,
