@@ -239,10 +239,10 @@ def test_from_layers_errors():
         Stacked.from_layers([])
     a, b = (Block(k) for k in jax.random.split(jax.random.key(0), 2))
     wide = eqx.tree_at(lambda m: m.w2, b, jnp.ones((2 * D, D + 1)))
-    with pytest.raises(ValueError, match=r"layers\.1\.w2\s+float32\(16, 9\)\s+layers\[0\] has"):
+    with pytest.raises(ValueError, match=r"layers\.1\.w2\s+float32\(16, 9\)\s+layers\.0 has"):
         Stacked.from_layers([a, wide])
     other = Block(jax.random.key(1), act=jax.nn.relu)
-    with pytest.raises(ValueError, match=r"layers\.2\s+a structure or non-array leaves"):
+    with pytest.raises(ValueError, match=r"layers\.2\.act\s+relu\s+layers\.0 has"):
         Stacked.from_layers([a, b, other])
 
 
@@ -251,8 +251,14 @@ def test_without_a_stage_axis_in_the_mesh_a_configured_stack_is_the_plain_scan()
     x = jnp.ones((4, D))
     ref = loop(stack.to_layers(), x)
     close(stack(x), ref)  # no mesh at all
+    # A mesh without "stage": the plain scan still, but not silently (the pipeline is off).
     with jax.set_mesh(jax.make_mesh((8,), ("data",))):
-        close(jax.jit(jax.vmap(stack))(x), ref)  # a mesh without "stage"
+        with pytest.warns(eqxshard.FallbackWarning, match=r"no axis 'stage', only \('data',\)"):
+            close(jax.jit(jax.vmap(stack))(x), ref)
+    typo = Stacked(make_blocks(4), axis="stages", microbatches=2)
+    with jax.set_mesh(jax.make_mesh((4, 2), ("stage", "data"))):
+        with pytest.warns(eqxshard.FallbackWarning, match=r"Did you mean 'stage'\? Pass `axis=`"):
+            close(typo(x), ref)
 
 
 def test_per_example_gradients_of_a_pipelined_stack_are_refused():

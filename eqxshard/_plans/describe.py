@@ -4,6 +4,7 @@ the total bytes on each device, for a plan or for a tree already placed."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from jax.sharding import (
@@ -17,7 +18,7 @@ from jaxtyping import PyTree
 
 from .. import _compat
 from .._placement import spec_tree
-from .._tree import Flat, device_name, is_array_like
+from .._tree import FallbackWarning, Flat, device_name, is_array_like
 from .by_stage import stage_major_paths
 from .plan import plan_shardings
 from .rules import dotted_path
@@ -66,6 +67,16 @@ def _per_device(sharding: Sharding, shape: tuple[int, ...], itemsize: int) -> di
     }
 
 
+# The memory kinds of host memory: leaves there count as host bytes, not device bytes.
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _host_kind(sharding: Sharding | None) -> str | None:
+    """The host memory kind `sharding` puts its leaf in, or `None` for device memory."""
+    kind = getattr(sharding, "memory_kind", None)
+    return kind if kind in HOST_KINDS else None
+
+
 def _own_sharding(x: Any) -> Sharding | None:
     if _compat.is_tracer(x):
         return _compat.traced_sharding(x)
@@ -84,7 +95,10 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     One row per array leaf: its dotted path (the form `path_rules` match), shape, dtype,
     spec, the bytes of it on one device, and its total bytes. Below: the bytes on each
-    device, and the largest leaves left whole on every device. For a tree of several
+    device, and the largest leaves left whole on every device. Leaves in host memory (a
+    sharding whose `memory_kind` is `"pinned_host"`, as `filter_put(state,
+    memory_kind="pinned_host")` or a `Plan` that offloads the optimiser state places
+    them) count as host bytes, apart from the device bytes. For a tree of several
     parts (`describe({"params": params, "opt_state": opt_state})`), also each part's
     bytes on the fullest device: the optimiser state's next to the parameters'.
 
@@ -107,6 +121,11 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     With a `target` or `spec`: the errors of `filter_shardings`.
 
+    **Warns:**
+
+    - `eqxshard.FallbackWarning`: for rules of `spec` that give no leaf its spec (a
+        `path_rules` pattern that matches no path, with the paths closest to it).
+
     !!! Example
 
         ```python
@@ -127,12 +146,17 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     rows: list[LeafRow] = []
     per_device: dict[Any, int] = {}
     by_part: dict[str, dict[Any, int]] = {}
+    host: dict[Any, int] = {}
     for i, sharding in shardings.items():
         x = flat.leaves[i]
         shape, itemsize = tuple(x.shape), x.dtype.itemsize
         held = {} if sharding is None else _per_device(sharding, shape, itemsize)
         part = by_part.setdefault(dotted_path(flat.paths[i][:1]), {})
+        kind = _host_kind(sharding)
         for device, n in held.items():
+            if kind is not None:  # offloaded (`filter_put(memory_kind="pinned_host")`)
+                host[device] = host.get(device, 0) + n
+                continue
             per_device[device] = per_device.get(device, 0) + n
             part[device] = part.get(device, 0) + n
         replicated = sharding is not None and sharding.is_fully_replicated
@@ -142,10 +166,11 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
                 shape=shape,
                 dtype=str(x.dtype),
                 sharding=sharding,
-                spec=_spec_str(sharding),
+                spec=_spec_str(sharding) + (f" in {kind}" if kind is not None else ""),
                 bytes=math.prod(shape) * itemsize,
                 bytes_per_device=max(held.values()) if held else None,
                 replicated=replicated,
+                memory_kind=kind or "device" if sharding is not None else None,
                 stage_major=next(
                     (o for p, o in orders if tuple(flat.paths[i][: len(p)]) == p), None
                 ),
@@ -157,6 +182,8 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     )[:UNSHARDED_SHOWN]
     ordered = dict(sorted(per_device.items(), key=lambda item: _device_order(item[0])))
     left = {} if spec is None else _left_replicated(flat, spec, shardings)
+    if spec is not None:
+        _warn_unmatched(flat, spec, shardings)
     return ShardingTable(
         rows=rows,
         bytes_per_device=ordered,
@@ -166,6 +193,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         if len(by_part) > 1
         else {},
         left_replicated=left,
+        host_bytes_per_device=dict(sorted(host.items(), key=lambda item: _device_order(item[0]))),
     )
 
 
@@ -189,6 +217,30 @@ def _left_replicated(
             n, size = out.get(reason, (0, 0))
             out[reason] = (n + 1, size + math.prod(x.shape) * x.dtype.itemsize)
     return out
+
+
+def _warn_unmatched(flat: Flat, spec: Any, shardings: dict[int, Sharding | None]) -> None:
+    """Warns, as `filter_shard` does, for the parts of the rules of `spec` that gave no
+    leaf its spec (a `path_rules` pattern with a typo, with the paths closest to it)."""
+    forms = spec_tree.forms_per_leaf(flat, spec, verb="describe")
+    asked: dict[int, tuple[Any, list[tuple[Any, Any, Any]]]] = {}
+    for i, sharding in shardings.items():
+        form, path = forms[i]
+        if not isinstance(sharding, NamedSharding) or not spec_tree.is_rule(form):
+            continue
+        if getattr(form, "unused", None) is not None:
+            asked.setdefault(id(form), (form, []))[1].append((path, flat.leaves[i], sharding.mesh))
+    parts = [part for rule, seen in asked.values() for part in rule.unused(seen)]
+    if parts:
+        warnings.warn(
+            f"`describe`: these parts of the `spec` rules gave no leaf its spec: "
+            f"{', '.join(parts)}. A pattern must match a whole dotted path (`re.fullmatch`, "
+            "as the table prints paths) that no earlier pattern or rule has taken; fix or "
+            "remove these (describing a part of a model with the whole's rules, filter "
+            "`eqxshard.FallbackWarning`).",
+            FallbackWarning,
+            stacklevel=3,
+        )
 
 
 def _device_order(device: Any) -> int:
