@@ -244,6 +244,25 @@ def test_from_layers_errors():
     other = Block(jax.random.key(1), act=jax.nn.relu)
     with pytest.raises(ValueError, match=r"layers\.2\.act\s+relu\s+layers\.0 has"):
         Stacked.from_layers([a, b, other])
+    # A structure unlike layers.0's: the field that differs, by path.
+    w = jnp.ones((4,))
+    with pytest.raises(
+        ValueError, match=r"\n  layers\.1\.b\s+missing\s+layers\.0 has float32\(4,\)\n"
+    ):
+        Stacked.from_layers([{"a": w, "b": w}, {"a": w}])
+    with pytest.raises(ValueError, match=r"\n  layers\.1\.c\s+a leaf layers\.0 lacks\n"):
+        Stacked.from_layers([{"a": w}, {"a": w, "c": w}])
+    with pytest.raises(ValueError, match=r"\n  layers\.1\s+tuple\s+layers\.0 has list\n"):
+        Stacked.from_layers([[w], (w,)])
+
+
+def test_iterating_a_stack_says_to_call_it():
+    stack = Stacked(make_blocks(2))
+    with pytest.raises(
+        TypeError, match=r"Replace `for block in self\.blocks: h = block\(h\)` with"
+    ):
+        for _ in stack:
+            pass
 
 
 def test_without_a_stage_axis_in_the_mesh_a_configured_stack_is_the_plain_scan():

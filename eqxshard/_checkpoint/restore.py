@@ -217,7 +217,7 @@ def filter_restore(
         where = f"step {step} in {directory}"
         # A `Stacked` of `like` saved as a list of blocks: its leaves read block by block.
         stacking = restore_match.stacked_from_list(flat, names, saved, like, cast=cast)
-        pieces = {p: (names[n], n) for n, s in stacking.items() for p in s.pieces}
+        pieces = {p: names[n] for n, s in stacking.items() for p in s.pieces}
         read, kept = restore_match.match(
             where,
             flat,
@@ -228,7 +228,7 @@ def filter_restore(
             hint=restore_match.list_hint(like, saved),
         )
         abstract: dict[str, Any] = {}
-        for piece, (i, _) in pieces.items():
+        for piece, i in pieces.items():
             leaf = flat.leaves[i]
             abstract[piece] = jax.ShapeDtypeStruct(
                 leaf.shape[1:], leaf.dtype, sharding=_one_layer(shardings[i])

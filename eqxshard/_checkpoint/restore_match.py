@@ -161,8 +161,9 @@ def stacked_from_list(
             continue
         for where, stack in stacks:
             order = None if stack.stages is None else (stack.stages, stack.repeats)
-            tag = "blocks" if order is None else f"blocks.stage_major_{order[0]}x{order[1]}"
-            prefix = f"{where}.{tag}" if where else tag
+            # A stage-major stack's leaves carry its order after its path (`store._name`).
+            tag = "" if order is None else f"stage_major_{order[0]}x{order[1]}"
+            prefix = ".".join(part for part in (where, tag, "blocks") if part)
             if name != prefix and not name.startswith(prefix + "."):
                 continue
             rest = name[len(prefix) :]

@@ -64,6 +64,8 @@ def _unlike(first: Any, block: Any, i: int) -> list[tuple[str, ...]]:
 
 
 def _short(x: Any) -> str:
+    if isinstance(x, _Array):
+        return str(x)
     text = getattr(x, "__qualname__", None) or repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
 
