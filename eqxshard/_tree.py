@@ -191,7 +191,8 @@ class FallbackWarning(UserWarning):
     """A request that ran differently than asked, while the result stays correct: a
     `Stacked` with a pipeline `axis` the mesh lacks (run as the plain scan), a
     `filter_pipeline` batch whose microbatches do not split over the data axes (run
-    replicated over them), a `path_rules` pattern that gives no leaf its spec.
+    replicated over them). Each is a warning, not an error, because the result is right;
+    its message says what ran instead and the fix.
 
     Filter it as any warning, e.g. `warnings.simplefilter("error", eqxshard.FallbackWarning)`
     to make each an error, or `"ignore"` once it is meant.

@@ -418,10 +418,12 @@ def test_a_pattern_that_gives_no_leaf_its_spec_is_a_warning_alone_and_inside_fir
             model, mesh, path_rules([(r".*weight", P()), (r".*bias", P()), (".*", P())])
         )
         eqxshard.filter_shard(model, mesh, path_rules([(r".*weight", P())]) | P())
-    # `describe` warns too, also about a part of a model described with the whole's rule
-    # (a `FallbackWarning`, to filter where that is meant).
-    with pytest.warns(eqxshard.FallbackWarning, match=r"`describe`: .*'layers\\\\\.0"):
-        eqxshard.describe(model.layers[0], mesh, path_rules([(r"layers\.0\.w.*", P())]) | P())
+        # `describe` is asked about parts of a model with the whole's rule: no warning,
+        # the pattern is listed below the table.
+        part = eqxshard.describe(
+            model.layers[0], mesh, path_rules([(r"layers\.0\.w.*", P())]) | P()
+        )
+        assert part.unmatched == [r"path_rules pattern 'layers\\.0\\.w.*'"]
     with pytest.warns(UserWarning, match=r"`filter_shard`: (.|\n)*'nothing'"):
         eqxshard.filter_shard(model, mesh, path_rules([("nothing", P())]) | P())
 
@@ -459,7 +461,11 @@ def test_a_pattern_that_matches_nothing_names_its_near_misses() -> None:
     near = r"'layers\\\\\.\\\\d\+\\\\\.wieght' \(near misses: 'layers\.0\.weight', "
     with pytest.warns(UserWarning, match=near):
         filter_shardings(mlp(), mesh, rules)
-    with pytest.warns(eqxshard.FallbackWarning, match=r"`describe`: .*" + near):
-        eqxshard.describe(abstract_mlp(), mesh, rules)
-    # A rule that matches a leaf, as asked, warns in neither.
-    eqxshard.describe(abstract_mlp(), mesh, path_rules([(r".*weight", P("data")), (r".*", P())]))
+    # `describe` lists it below its table, with the same near misses.
+    table = eqxshard.describe(abstract_mlp(), mesh, rules)
+    assert len(table.unmatched) == 1 and re.search(near, table.unmatched[0])
+    assert re.search(r"Rules that gave no leaf its spec: path_rules pattern " + near, str(table))
+    # A rule that matches a leaf, as asked, is listed in neither.
+    matched = path_rules([(r".*weight", P("data")), (r".*", P())])
+    assert eqxshard.describe(abstract_mlp(), mesh, matched).unmatched == []
+    assert "gave no leaf" not in str(eqxshard.describe(abstract_mlp(), mesh, matched))

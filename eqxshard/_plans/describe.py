@@ -4,7 +4,6 @@ the total bytes on each device, for a plan or for a tree already placed."""
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 from jax.sharding import (
@@ -18,7 +17,7 @@ from jaxtyping import PyTree
 
 from .. import _compat
 from .._placement import spec_tree
-from .._tree import FallbackWarning, Flat, device_name, is_array_like
+from .._tree import Flat, device_name, is_array_like
 from .by_stage import stage_major_paths
 from .plan import plan_shardings
 from .rules import dotted_path
@@ -95,7 +94,10 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     One row per array leaf: its dotted path (the form `path_rules` match), shape, dtype,
     spec, the bytes of it on one device, and its total bytes. Below: the bytes on each
-    device, and the largest leaves left whole on every device. Leaves in host memory (a
+    device, and the largest leaves left whole on every device, and the parts of the rules
+    of `spec` that gave no leaf its spec (a `path_rules` pattern with a typo, named with
+    the paths closest to it: listed, not warned about, as `describe` is often asked about
+    a part of a model with the whole's rules). Leaves in host memory (a
     sharding whose `memory_kind` is `"pinned_host"`, as `filter_put(state,
     memory_kind="pinned_host")` or a `Plan` that offloads the optimiser state places
     them) count as host bytes, apart from the device bytes. For a tree of several
@@ -121,10 +123,6 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     With a `target` or `spec`: the errors of `filter_shardings`.
 
-    **Warns:**
-
-    - `eqxshard.FallbackWarning`: for rules of `spec` that give no leaf its spec (a
-        `path_rules` pattern that matches no path, with the paths closest to it).
 
     !!! Example
 
@@ -182,8 +180,6 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     )[:UNSHARDED_SHOWN]
     ordered = dict(sorted(per_device.items(), key=lambda item: _device_order(item[0])))
     left = {} if spec is None else _left_replicated(flat, spec, shardings)
-    if spec is not None:
-        _warn_unmatched(flat, spec, shardings)
     return ShardingTable(
         rows=rows,
         bytes_per_device=ordered,
@@ -193,6 +189,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         if len(by_part) > 1
         else {},
         left_replicated=left,
+        unmatched=[] if spec is None else _unmatched(flat, spec, shardings),
         host_bytes_per_device=dict(sorted(host.items(), key=lambda item: _device_order(item[0]))),
     )
 
@@ -219,9 +216,9 @@ def _left_replicated(
     return out
 
 
-def _warn_unmatched(flat: Flat, spec: Any, shardings: dict[int, Sharding | None]) -> None:
-    """Warns, as `filter_shard` does, for the parts of the rules of `spec` that gave no
-    leaf its spec (a `path_rules` pattern with a typo, with the paths closest to it)."""
+def _unmatched(flat: Flat, spec: Any, shardings: dict[int, Sharding | None]) -> list[str]:
+    """The parts of the rules of `spec` that gave no leaf its spec (a `path_rules` pattern
+    with a typo, with the paths closest to it), as `filter_shard` warns about them."""
     forms = spec_tree.forms_per_leaf(flat, spec, verb="describe")
     asked: dict[int, tuple[Any, list[tuple[Any, Any, Any]]]] = {}
     for i, sharding in shardings.items():
@@ -230,17 +227,7 @@ def _warn_unmatched(flat: Flat, spec: Any, shardings: dict[int, Sharding | None]
             continue
         if getattr(form, "unused", None) is not None:
             asked.setdefault(id(form), (form, []))[1].append((path, flat.leaves[i], sharding.mesh))
-    parts = [part for rule, seen in asked.values() for part in rule.unused(seen)]
-    if parts:
-        warnings.warn(
-            f"`describe`: these parts of the `spec` rules gave no leaf its spec: "
-            f"{', '.join(parts)}. A pattern must match a whole dotted path (`re.fullmatch`, "
-            "as the table prints paths) that no earlier pattern or rule has taken; fix or "
-            "remove these (describing a part of a model with the whole's rules, filter "
-            "`eqxshard.FallbackWarning`).",
-            FallbackWarning,
-            stacklevel=3,
-        )
+    return [part for rule, seen in asked.values() for part in rule.unused(seen)]
 
 
 def _device_order(device: Any) -> int:

@@ -118,8 +118,9 @@ def path_rules(
     pattern that gives no leaf its spec (it matches no path, or earlier patterns or
     rules take every leaf it matches) is a warning naming it and the leaf paths closest
     to it, alone or inside `first` (a catch-all such as `.*` excepted), from
-    `filter_shard`, `filter_shardings`, `filter_init` and `describe` alike: the layout
-    is still a valid one, but not the one asked for.
+    `filter_shard`, `filter_shardings` and `filter_init`: the layout is still a valid
+    one, but not the one asked for. `describe`, often asked about a part of a model with
+    the whole's rules, lists such patterns below its table instead.
 
     **Arguments:**
 

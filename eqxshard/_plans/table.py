@@ -67,6 +67,9 @@ class ShardingTable:
     - `host_bytes_per_device`: the bytes each device holds in host memory (leaves placed
         with a `pinned_host` or `unpinned_host` memory kind, e.g. an offloaded optimiser
         state), not counted in `bytes_per_device`. Empty when nothing is offloaded.
+    - `unmatched`: for a plan made by rules, the parts of them that gave no leaf its spec
+        (`"path_rules pattern '...' (near misses: ...)"`), as `filter_shard` warns about
+        them. Printed below the table.
     """
 
     rows: list[LeafRow]
@@ -76,6 +79,7 @@ class ShardingTable:
     parts: dict[str, int] = dataclasses.field(default_factory=dict)
     left_replicated: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
     host_bytes_per_device: dict[Any, int] = dataclasses.field(default_factory=dict)
+    unmatched: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def max_bytes_per_device(self) -> int:
@@ -150,6 +154,11 @@ class ShardingTable:
                 for reason, (k, b) in self.left_replicated.items()
             )
             lines.append(f"Left replicated by the rules: {n} leaves ({format_bytes(size)}): {why}.")
+        if self.unmatched:
+            lines.append(
+                f"Rules that gave no leaf its spec: {', '.join(self.unmatched)}. A pattern "
+                "must match a whole dotted path (`re.fullmatch`) as printed above."
+            )
         return lines
 
     def __str__(self) -> str:
