@@ -157,12 +157,17 @@ class Stacked(eqx.Module):
 
         Every block must have the same non-array leaves and the same array shapes and
         dtypes; the array leaves are stacked along a new leading dim. `options` are
-        `Stacked`'s keywords (`remat`, `axis`, ...). `to_layers` is the inverse.
+        `Stacked`'s keywords (`remat`, `axis`, ...). `to_layers` is the inverse. To swap
+        a model's list of blocks for a stack in one step, `eqx.tree_at(lambda m:
+        m.blocks, model, Stacked.from_layers(model.blocks))`; `filter_restore` reads a
+        checkpoint of the list form into the stacked model (see docs/pipelines.md).
 
         **Raises:**
 
         - `ValueError`: if `layers` is empty, or its blocks differ in structure, in
-            non-array leaves, or in array shapes or dtypes (each listed).
+            non-array leaves (static fields included), or in array shapes or dtypes:
+            each difference by its path, e.g. `layers.3.up.weight  float32(64, 32)
+            layers.0 has float32(32, 32)`, or `layers.2.act  relu  layers.0 has gelu`.
         """
         from .convert import stack_layers
 
