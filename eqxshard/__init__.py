@@ -42,5 +42,6 @@ from ._shard_map.shard_map import filter_shard_map as filter_shard_map
 from ._step.describe_step import describe_step as describe_step
 from ._step.jit import filter_jit as filter_jit
 from ._step.loop import StepLoop as StepLoop
+from ._tree import FallbackWarning as FallbackWarning
 
 __version__ = _version.version()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -154,19 +155,50 @@ def broadcast_prefix(
     return values, on_leaf, prefixes
 
 
-def leaf_table(rows: Sequence[tuple[str, ...]]) -> str:
-    """Aligns rows of (path, detail, ...) columns, two spaces apart and indented."""
-    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+# How many failing leaves an error lists before "... and N more": enough to see the
+# pattern, few enough that the fix below them stays on the screen.
+ROWS_SHOWN = 10
+
+
+def leaf_table(rows: Sequence[tuple[str, ...]], shown: int = ROWS_SHOWN) -> str:
+    """Aligns rows of (path, detail, ...) columns, two spaces apart and indented: the
+    first `shown` of them, then a line counting the rest (`... and 93 more`)."""
+    kept = list(rows[:shown])
+    widths = [max(len(row[c]) for row in kept) for c in range(len(kept[0]))]
     lines = []
-    for row in rows:
+    for row in kept:
         cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=True)]
         lines.append("  " + "  ".join(cells).rstrip())
+    if len(rows) > shown:
+        lines.append(f"  ... and {len(rows) - shown} more")
     return "\n".join(lines)
 
 
 def leaf_error(header: str, rows: Sequence[tuple[str, ...]], fix: str) -> str:
-    """An error message: what went wrong, every failing leaf, and how to fix it."""
+    """An error message: what went wrong, the failing leaves (the first `ROWS_SHOWN` and a
+    count of the rest), and how to fix it."""
     return f"{header}\n{leaf_table(rows)}\n{fix}"
+
+
+def did_you_mean(name: Any, choices: Sequence[str]) -> str:
+    """`" Did you mean 'data'?"` for the choice closest to a mistyped `name`, or `""` when
+    none is close (`difflib.get_close_matches`)."""
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+class FallbackWarning(UserWarning):
+    """A request that ran differently than asked, while the result stays correct: a
+    `Stacked` with a pipeline `axis` the mesh lacks (run as the plain scan), a
+    `filter_pipeline` batch whose microbatches do not split over the data axes (run
+    replicated over them). Each is a warning, not an error, because the result is right;
+    its message says what ran instead and the fix.
+
+    Filter it as any warning, e.g. `warnings.simplefilter("error", eqxshard.FallbackWarning)`
+    to make each an error, or `"ignore"` once it is meant.
+    """
 
 
 def shape_str(shape: Sequence[int]) -> str:

@@ -220,3 +220,28 @@ def test_7b_decoder_sizes_equal_a_hand_computation() -> None:
         # Parameters, gradients, mu and nu fit in 80 GB on each of these meshes.
         assert 4 * by_hand + 4 < 80 * 10**9
     assert 4 * 4 * (split + norms) > 80 * 10**9  # ... and do not without sharding
+
+
+def test_offloaded_leaves_count_as_host_memory_not_device() -> None:
+    """An optimiser state in pinned host memory (as a `Plan` that offloads it places it)
+    is host bytes: the devices hold the parameters only."""
+    mesh = make_mesh("auto", shape=(8,), names=("data",))
+    params = eqxshard.filter_shard(
+        {"w": jnp.ones((64, 16)), "b": jnp.ones((16,))}, mesh, {"w": P("data"), "b": P()}
+    )
+    state = eqxshard.filter_put(optax.adam(1e-3).init(params), memory_kind="pinned_host")
+    table = describe({"params": params, "opt_state": state})
+    rows = by_path(table)
+    assert rows["opt_state.0.mu.w"].memory_kind == "pinned_host"
+    assert rows["opt_state.0.mu.w"].spec == "P('data') in pinned_host"
+    assert rows["params.w"].memory_kind == "device" and rows["params.w"].spec == "P('data')"
+    device = 8 * 16 * 4 + 16 * 4  # a row block of w, and all of b
+    assert set(table.bytes_per_device.values()) == {device}
+    host = table.host_bytes_per_device
+    assert set(host) == set(mesh.devices.flat)
+    assert host[jax.devices()[1]] == 2 * device  # mu and nu, each like the parameters
+    assert table.parts["opt_state"] == 0 and table.parts["params"] == device
+    assert "In host memory (offloaded, not counted above): " in str(table)
+    # Nothing offloaded: no host bytes, no host line.
+    assert describe(params).host_bytes_per_device == {}
+    assert "host memory" not in str(describe(params))

@@ -10,6 +10,10 @@ The convention (for everyone writing docs):
   reported one by one as skipped tests (`-ra` lists them with their reasons).
 - A failure names the page, the block, the line of the page and the traceback (whose line
   numbers are the page's).
+- A ```text block with the line `<!-- output -->` immediately before its fence shows what
+  the ```python block above it prints, and is checked against it: line by line, where a
+  line `...` stands for any lines and a line ending in `...` for any line that starts as
+  it does. So the figures a page shows are the ones its code prints.
 
 Pages are collected automatically: a new page in docs/ is tested without editing this file.
 """
@@ -32,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)")
 SKIP = re.compile(r"^\s*<!--\s*skip\b\s*:?\s*(.*?)\s*-->\s*$")
+OUTPUT = re.compile(r"^\s*<!--\s*output\s*-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -66,13 +71,30 @@ def parse(text: str) -> list[Block]:
 # Runs in the fresh process: each block compiled with the page's name and its line offset,
 # so a traceback points at the page's own lines; on failure, which block it was.
 DRIVER = r"""
-import json, sys, traceback, warnings
+import io, json, os, sys, traceback, warnings
 warnings.simplefilter("error")
 page, blocks = json.load(sys.stdin)
 namespace = {"__name__": "__main__"}
+printed = []
+
+
+class Tee(io.TextIOBase):
+    def write(self, text):
+        printed[-1].append(text)
+        return sys.__stdout__.write(text)
+
+    def flush(self):
+        sys.__stdout__.flush()
+
+
+sys.stdout = Tee()
 for number, (line, code) in enumerate(blocks, 1):
+    printed.append([])
     try:
         exec(compile("\n" * (line - 1) + code, page, "exec"), namespace)
+        if os.environ.get("EQXSHARD_DOCS_PRINTED"):
+            with open(os.environ["EQXSHARD_DOCS_PRINTED"], "w") as f:
+                json.dump(["".join(p) for p in printed], f)
     except BaseException:
         numbered = "".join(
             f"{line + k:5d} | {text}\n" for k, text in enumerate(code.splitlines())
@@ -85,8 +107,11 @@ for number, (line, code) in enumerate(blocks, 1):
 """
 
 
-def run_page(path: Path, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs the page's unskipped python blocks in one fresh process with 8 CPU devices."""
+def run_page(
+    path: Path, cwd: Path, timeout: float = 600, printed: Path | None = None
+) -> subprocess.CompletedProcess:
+    """Runs the page's unskipped python blocks in one fresh process with 8 CPU devices
+    (what each block prints written to `printed` as a JSON list, if given)."""
     blocks = [(b.line, b.code) for b in parse(path.read_text()) if b.skip is None]
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
@@ -98,6 +123,7 @@ def run_page(path: Path, cwd: Path, timeout: float = 600) -> subprocess.Complete
         # This checkout's eqxshard, whatever is installed.
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "MPLBACKEND": "Agg",
+        "EQXSHARD_DOCS_PRINTED": "" if printed is None else str(printed),
     }
     name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
     return subprocess.run(
@@ -122,8 +148,82 @@ RUNNABLE = [p for p in PAGES if any(b.skip is None for b in parse(p.read_text())
 @pytest.mark.heavy
 @pytest.mark.parametrize("path", RUNNABLE, ids=_id)
 def test_page_runs(path: Path, tmp_path: Path):
-    result = run_page(path, cwd=tmp_path)
+    printed = tmp_path / "printed.json"
+    result = run_page(path, cwd=tmp_path, printed=printed)
     assert result.returncode == 0, result.stdout + result.stderr
+    shown = outputs(path.read_text())
+    if shown:
+        by_block = json.loads(printed.read_text())
+        wrong = [
+            f"{_id(path)}:{line}: the text block differs from what python block {n + 1} "
+            f"prints, which is:\n{by_block[n]}"
+            for line, n, text in shown
+            if not output_matches(text, by_block[n])
+        ]
+        assert not wrong, "\n".join(wrong)
+
+
+def outputs(text: str) -> list[tuple[int, int, str]]:
+    """The page's `<!-- output -->` text blocks: (line of the block, index of the python
+    block run above it, the text)."""
+    lines = text.splitlines()
+    found = []
+    ran = -1  # unskipped python blocks seen so far, less one
+    i = 0
+    while i < len(lines):
+        match = FENCE.match(lines[i])
+        if not match:
+            i += 1
+            continue
+        indent, fence, language = match.groups()
+        end = i + 1
+        while end < len(lines) and not lines[end].strip().startswith(fence):
+            end += 1
+        previous = lines[i - 1] if i > 0 else ""
+        if language == "python" and not SKIP.match(previous):
+            ran += 1
+        elif language == "text" and OUTPUT.match(previous):
+            if ran < 0:
+                raise ValueError(f"line {i + 1}: an output block with no python block above")
+            body = "\n".join(line[len(indent) :] for line in lines[i + 1 : end])
+            found.append((i + 2, ran, body))
+        i = end + 1
+    return found
+
+
+def output_matches(expected: str, printed: str) -> bool:
+    """Whether `printed` reads as `expected` shows it: line by line, `...` alone standing
+    for any lines and a line ending in `...` for any line that starts as it does."""
+    want = [line.rstrip() for line in expected.splitlines()]
+    got = [line.rstrip() for line in printed.splitlines()]
+
+    def match(w: int, g: int) -> bool:
+        if w == len(want):
+            return g == len(got)
+        if want[w] == "...":
+            return any(match(w + 1, k) for k in range(g, len(got) + 1))
+        if g == len(got):
+            return False
+        line = want[w]
+        same = got[g].startswith(line[:-3].rstrip()) if line.endswith("...") else got[g] == line
+        return same and match(w + 1, g + 1)
+
+    return match(0, 0)
+
+
+def test_output_blocks_are_checked_against_what_their_block_prints(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nprint('a 1')\nprint('b 2')\nprint('c 3')\n```\n"
+        "<!-- output -->\n```text\na 1\n...\nc ...\n```\n"
+    )
+    printed = tmp_path / "printed.json"
+    assert run_page(page, cwd=tmp_path, printed=printed).returncode == 0
+    ((line, n, text),) = outputs(page.read_text())
+    assert (line, n) == (8, 0) and output_matches(text, json.loads(printed.read_text())[0])
+    assert not output_matches("a 1\nc 3", "a 1\nb 2\nc 3\n")
+    assert not output_matches("a 1\n...\nd ...", "a 1\nb 2\nc 3\n")
+    assert output_matches("...", "anything\n")
 
 
 def _skipped_blocks():

@@ -134,3 +134,28 @@ def test_offload_where_jax_cannot_move_memory_kinds_in_jit(mesh, monkeypatch):
     monkeypatch.setattr(_compat, "memory_kinds_in_jit", lambda: False)
     with pytest.raises(ValueError, match=r"remat='offload'.* jax 0.8 and newer can"):
         _run(mesh, remat="offload")
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_microbatches_that_do_not_split_over_the_data_axis_warn(kind):
+    """Batch 20 in 4 microbatches of 5 rows on `data=2`: run replicated over 'data', with
+    a `FallbackWarning` naming the sizes and a batch that splits; the result is right."""
+    mesh = make_mesh(kind, shape=(4, 2), names=("stage", "data"))
+    x = jnp.arange(20 * 4, dtype=jnp.float32).reshape(20, 4) / 80
+    ref = jax.lax.scan(lambda h, b: (_layer(b, h), None), x, _blocks())[0]
+    with pytest.warns(
+        eqxshard.FallbackWarning,
+        match=r"replicated over the mesh's data axes 'data' \(2\): the batch of 20 cut into "
+        r"microbatches=4 gives microbatches of 5 rows.* divisible by microbatches x data = 8 "
+        r"\(e\.g\. 24\)",
+    ):
+        y = _run(mesh, x=x)
+    assert jnp.allclose(y, ref, atol=1e-6)
+
+
+def test_microbatches_that_split_over_the_data_axis_do_not_warn():
+    mesh = make_mesh("auto", shape=(4, 2), names=("stage", "data"))
+    _run(mesh, x=jnp.ones((24, 4)), microbatches=4)  # rows of 6: split over data=2
+    # A mesh axis not named for data (a layer's "model" axis) never splits the batch.
+    model = make_mesh("auto", shape=(4, 2), names=("stage", "model"))
+    _run(model, x=jnp.ones((20, 4)), microbatches=4)

@@ -4,6 +4,7 @@ underneath; values compared with what was saved, bit for bit."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -133,3 +134,73 @@ def test_an_equinox_model_after_a_layer_was_added(tmp_path: Path) -> None:
     # `layers.1` is the old output layer (16 -> 8) and the new hidden one (16 -> 16).
     _same(out.layers[1].weight, new.layers[1].weight)
     assert out.activation is new.activation
+
+
+class _Block(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __init__(self, key, width=8):
+        self.lin = eqx.nn.Linear(width, width, key=key)
+
+    def __call__(self, h):
+        return h + jnp.tanh(self.lin(h))
+
+
+class _ListModel(eqx.Module):
+    """A model written the usual Equinox way: a Python list of blocks."""
+
+    embed: eqx.nn.Embedding
+    blocks: Any
+
+    def __init__(self, key, n=8):
+        k1, k2 = jax.random.split(key)
+        self.embed = eqx.nn.Embedding(10, 8, key=k1)
+        self.blocks = [_Block(k) for k in jax.random.split(k2, n)]
+
+
+def _stacked(model: _ListModel, **options) -> _ListModel:
+    return eqx.tree_at(
+        lambda m: m.blocks, model, eqxshard.Stacked.from_layers(model.blocks, **options)
+    )
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_a_list_of_blocks_restores_into_its_stacked_form(tmp_path: Path, repeats: int) -> None:
+    saved = _ListModel(jax.random.key(0))
+    filter_save(tmp_path, 0, saved)
+    mesh = jax.make_mesh((4, 2), ("stage", "data"), axis_types=(AxisType.Auto,) * 2)
+    # A circular stack built for this mesh is stored stage-major: read in that order too.
+    options = dict(axis="stage", microbatches=4, mesh=mesh) if repeats > 1 else {}
+    if repeats > 1:
+        options["repeats"] = repeats
+    want = _stacked(saved, **options)
+    assert (want.blocks.stages is not None) == (repeats > 1)
+    rules = eqxshard.first(eqxshard.stages("stage", path=r"blocks\..*"), P())
+    like = eqx.filter_eval_shape(lambda: want)
+    restored = filter_restore(tmp_path, like, mesh, rules)
+    assert bool(eqx.tree_equal(restored, want))
+    weight = restored.blocks.blocks.lin.weight
+    assert weight.shape == (8, 8, 8)
+    assert weight.sharding.is_equivalent_to(NamedSharding(mesh, P("stage")), 3)
+    for got, block in zip(restored.blocks.to_layers(), saved.blocks, strict=True):
+        np.testing.assert_array_equal(got.lin.weight, block.lin.weight)
+
+
+def test_a_list_of_blocks_unlike_the_stack_is_one_short_error_with_the_recipe(
+    tmp_path: Path,
+) -> None:
+    saved = _ListModel(jax.random.key(0))
+    filter_save(tmp_path, 0, saved)
+    wider = eqx.tree_at(
+        lambda m: m.blocks,
+        saved,
+        [_Block(k, width=16) for k in jax.random.split(jax.random.key(1), 8)],
+    )
+    with pytest.raises(ValueError) as info:
+        filter_restore(tmp_path, _stacked(wider), jax.devices()[0])
+    text = str(info.value)
+    assert re.search(r"blocks\.blocks\.lin\.weight\s+in `like` as \(8, 16, 16\)", text)
+    assert "... and 8 more" in text  # 2 stacked leaves + 16 list leaves, 10 shown
+    assert "`eqxshard.Stacked` at blocks where the checkpoint holds a list" in text
+    assert "eqxshard.Stacked.from_layers(model.blocks)" in text
+    assert len(text.splitlines()) < 16

@@ -418,7 +418,54 @@ def test_a_pattern_that_gives_no_leaf_its_spec_is_a_warning_alone_and_inside_fir
             model, mesh, path_rules([(r".*weight", P()), (r".*bias", P()), (".*", P())])
         )
         eqxshard.filter_shard(model, mesh, path_rules([(r".*weight", P())]) | P())
-        # `describe` is asked about parts of a model with the whole's rule: no warning.
-        eqxshard.describe(model.layers[0], mesh, path_rules([(r"layers\.0\.w.*", P())]) | P())
+        # `describe` is asked about parts of a model with the whole's rule: no warning,
+        # the pattern is listed below the table.
+        part = eqxshard.describe(
+            model.layers[0], mesh, path_rules([(r"layers\.0\.w.*", P())]) | P()
+        )
+        assert part.unmatched == [r"path_rules pattern 'layers\\.0\\.w.*'"]
     with pytest.warns(UserWarning, match=r"`filter_shard`: (.|\n)*'nothing'"):
         eqxshard.filter_shard(model, mesh, path_rules([("nothing", P())]) | P())
+
+
+@pytest.mark.parametrize(
+    ("rule", "names", "lead"),
+    [
+        (lambda: fsdp("dta"), ("data", "fsdp"), r"`fsdp` over mesh axes \['dta'\] that the mesh "),
+        (
+            lambda: eqxshard.stages("stgae"),
+            ("stage", "data"),
+            r"`stages` over the mesh axis 'stgae'",
+        ),
+    ],
+)
+def test_a_misspelt_axis_leads_with_the_fix_then_a_capped_leaf_list(rule, names, lead) -> None:
+    mesh = make_mesh("auto", shape=(4, 2), names=names)
+    deep = eqx.nn.MLP(8, 8, 8, depth=30, key=jax.random.key(0))  # 62 leaves
+    with pytest.raises(ValueError) as info:
+        filter_shardings(deep, mesh, rule())
+    lines = str(info.value).splitlines()
+    axes = re.escape(repr(names))
+    assert re.match(
+        rf"`filter_shardings` was given {lead}.*has axes {axes}\. Did you mean ", lines[0]
+    )
+    assert "Did you mean 'data'?" in lines[0] or "Did you mean 'stage'?" in lines[0]
+    assert lines[1:3] == ["  layers.0.weight", "  layers.0.bias"]
+    assert lines[11] == "  ... and 52 more"
+    assert len(lines) == 13
+
+
+def test_a_pattern_that_matches_nothing_names_its_near_misses() -> None:
+    mesh = make_mesh("auto")
+    rules = path_rules([(r"layers\.\d+\.wieght", P("data")), (r".*", P())])
+    near = r"'layers\\\\\.\\\\d\+\\\\\.wieght' \(near misses: 'layers\.0\.weight', "
+    with pytest.warns(UserWarning, match=near):
+        filter_shardings(mlp(), mesh, rules)
+    # `describe` lists it below its table, with the same near misses.
+    table = eqxshard.describe(abstract_mlp(), mesh, rules)
+    assert len(table.unmatched) == 1 and re.search(near, table.unmatched[0])
+    assert re.search(r"Rules that gave no leaf its spec: path_rules pattern " + near, str(table))
+    # A rule that matches a leaf, as asked, is listed in neither.
+    matched = path_rules([(r".*weight", P("data")), (r".*", P())])
+    assert eqxshard.describe(abstract_mlp(), mesh, matched).unmatched == []
+    assert "gave no leaf" not in str(eqxshard.describe(abstract_mlp(), mesh, matched))

@@ -239,11 +239,30 @@ def test_from_layers_errors():
         Stacked.from_layers([])
     a, b = (Block(k) for k in jax.random.split(jax.random.key(0), 2))
     wide = eqx.tree_at(lambda m: m.w2, b, jnp.ones((2 * D, D + 1)))
-    with pytest.raises(ValueError, match=r"layers\.1\.w2\s+float32\(16, 9\)\s+layers\[0\] has"):
+    with pytest.raises(ValueError, match=r"layers\.1\.w2\s+float32\(16, 9\)\s+layers\.0 has"):
         Stacked.from_layers([a, wide])
     other = Block(jax.random.key(1), act=jax.nn.relu)
-    with pytest.raises(ValueError, match=r"layers\.2\s+a structure or non-array leaves"):
+    with pytest.raises(ValueError, match=r"layers\.2\.act\s+relu\s+layers\.0 has"):
         Stacked.from_layers([a, b, other])
+    # A structure unlike layers.0's: the field that differs, by path.
+    w = jnp.ones((4,))
+    with pytest.raises(
+        ValueError, match=r"\n  layers\.1\.b\s+missing\s+layers\.0 has float32\(4,\)\n"
+    ):
+        Stacked.from_layers([{"a": w, "b": w}, {"a": w}])
+    with pytest.raises(ValueError, match=r"\n  layers\.1\.c\s+a leaf layers\.0 lacks\n"):
+        Stacked.from_layers([{"a": w}, {"a": w, "c": w}])
+    with pytest.raises(ValueError, match=r"\n  layers\.1\s+tuple\s+layers\.0 has list\n"):
+        Stacked.from_layers([[w], (w,)])
+
+
+def test_iterating_a_stack_says_to_call_it():
+    stack = Stacked(make_blocks(2))
+    with pytest.raises(
+        TypeError, match=r"Replace `for block in self\.blocks: h = block\(h\)` with"
+    ):
+        for _ in stack:
+            pass
 
 
 def test_without_a_stage_axis_in_the_mesh_a_configured_stack_is_the_plain_scan():
@@ -251,8 +270,14 @@ def test_without_a_stage_axis_in_the_mesh_a_configured_stack_is_the_plain_scan()
     x = jnp.ones((4, D))
     ref = loop(stack.to_layers(), x)
     close(stack(x), ref)  # no mesh at all
+    # A mesh without "stage": the plain scan still, but not silently (the pipeline is off).
     with jax.set_mesh(jax.make_mesh((8,), ("data",))):
-        close(jax.jit(jax.vmap(stack))(x), ref)  # a mesh without "stage"
+        with pytest.warns(eqxshard.FallbackWarning, match=r"no axis 'stage', only \('data',\)"):
+            close(jax.jit(jax.vmap(stack))(x), ref)
+    typo = Stacked(make_blocks(4), axis="stages", microbatches=2)
+    with jax.set_mesh(jax.make_mesh((4, 2), ("stage", "data"))):
+        with pytest.warns(eqxshard.FallbackWarning, match=r"Did you mean 'stage'\? Pass `axis=`"):
+            close(typo(x), ref)
 
 
 def test_per_example_gradients_of_a_pipelined_stack_are_refused():

@@ -6,10 +6,12 @@ import os
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AbstractMesh, NamedSharding, Sharding
+from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec, Sharding
 
 from .. import _compat
+from .._pipeline.spmd.stage_major import to_stage_major
 from .._placement import place, staging
 from .._plans.plan import plan_shardings
 from .._tree import Flat, T, is_array_like, leaf_error, pathstr
@@ -69,6 +71,12 @@ def filter_restore(
     checkpoint has and `like` lacks, or a shape or dtype that differs is one error that
     lists every such leaf with its saved and asked shape and dtype (unless `strict` or
     `cast` say otherwise).
+
+    A model saved with a list of blocks (`self.blocks = [Block(...) for ...]`: leaves
+    `blocks.0.…`, `blocks.1.…`, ...) restores into the same model with an
+    `eqxshard.Stacked` at `blocks` (`Stacked.from_layers`, see docs/pipelines.md): each
+    leaf of the stack is read block by block and stacked, also into a stack stored
+    stage-major.
 
     With several processes, call it on every process with the same arguments.
 
@@ -207,8 +215,24 @@ def filter_restore(
                 directory, step, f"its metadata is unreadable ({_short(e)})", steps
             ) from e
         where = f"step {step} in {directory}"
-        read, kept = restore_match.match(where, flat, names, saved, strict=strict, cast=cast)
+        # A `Stacked` of `like` saved as a list of blocks: its leaves read block by block.
+        stacking = restore_match.stacked_from_list(flat, names, saved, like, cast=cast)
+        pieces = {p: names[n] for n, s in stacking.items() for p in s.pieces}
+        read, kept = restore_match.match(
+            where,
+            flat,
+            {n: i for n, i in names.items() if n not in stacking},
+            {n: a for n, a in saved.items() if n not in pieces},
+            strict=strict,
+            cast=cast,
+            hint=restore_match.list_hint(like, saved),
+        )
         abstract: dict[str, Any] = {}
+        for piece, i in pieces.items():
+            leaf = flat.leaves[i]
+            abstract[piece] = jax.ShapeDtypeStruct(
+                leaf.shape[1:], leaf.dtype, sharding=_one_layer(shardings[i])
+            )
         via_host = []  # read to host NumPy, then staged onto accelerators (`staging`)
         for name, i in read.items():
             want = restore_match.stored(flat.leaves[i])
@@ -220,7 +244,7 @@ def filter_restore(
                 continue
             abstract[name] = jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=shardings[i])
         try:
-            if len(read) == len(saved):
+            if len(abstract) == len(saved):
                 restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
             else:  # a part of the saved tree: only its leaves are read
                 restored = read_part(ocp, directory, step, abstract)
@@ -236,6 +260,11 @@ def filter_restore(
         restored = {**restored, **dict(zip(via_host, placed, strict=True))}
     # Leaves kept from `like` (`strict=False`), laid out as asked: the path of `filter_shard`.
     out = place.place(verb, flat, {i: shardings[i] for i in kept}) if kept else {}
+    for name, stack in stacking.items():
+        value = jnp.stack([restored[p] for p in stack.pieces])
+        if stack.order is not None:
+            value = to_stage_major(value, *stack.order)
+        out[names[name]] = jax.device_put(value, shardings[names[name]])
     for name, i in read.items():
         leaf = flat.leaves[i]
         value = restored[name]
@@ -243,6 +272,16 @@ def filter_restore(
             value = jax.random.wrap_key_data(value, impl=_key_impl(leaf))
         out[i] = value
     return flat.rebuild(out)
+
+
+def _one_layer(sharding: Sharding) -> Sharding:
+    """The sharding to read one layer of a stacked leaf into: the stacked leaf's, less
+    its layer dim (split over the stages or not, each layer is read whole along it)."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(
+            sharding.mesh, PartitionSpec(*sharding.spec[1:]), memory_kind=sharding.memory_kind
+        )
+    return sharding
 
 
 def _short(e: BaseException) -> str:

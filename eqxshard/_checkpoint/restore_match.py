@@ -5,10 +5,15 @@ lists every difference). `cast=True` reads a leaf saved in another dtype into `l
 `strict=False` restores what matches and keeps the rest: leaves only the checkpoint has
 are not read (a part of a saved tree), and leaves of `like` the checkpoint lacks or holds
 in another shape keep `like`'s own value (a model that changed since the save).
+
+A `Stacked` of `like` whose leaves the checkpoint holds as a list of blocks (a model saved
+before its `for block in self.blocks` loop became `Stacked.from_layers(blocks)`) is read
+from those blocks and stacked (`stacked_from_list`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
@@ -16,7 +21,8 @@ import jax
 import numpy as np
 
 from .. import _compat
-from .._tree import Flat, leaf_error, pathstr, shape_str
+from .._pipeline.stacked.stacked import is_stacked
+from .._tree import Flat, dotted_path, leaf_error, pathstr, shape_str
 
 
 def stored(leaf: Any) -> jax.ShapeDtypeStruct:
@@ -38,10 +44,12 @@ def match(
     *,
     strict: bool,
     cast: bool,
+    hint: str = "",
 ) -> tuple[dict[str, int], list[int]]:
     """The leaves to read (name -> index in `flat`) and those that keep `like`'s value.
 
-    Raises one error listing every difference that `strict` and `cast` do not allow.
+    Raises one error listing every difference that `strict` and `cast` do not allow (with
+    `hint` after its fix).
     """
     rows: list[tuple[str, ...]] = []
     read: dict[str, int] = {}
@@ -92,7 +100,7 @@ def match(
                     "configuration). To restore every leaf that matches and keep `like`'s own "
                     "value for the others (a new model, initialised and placed), or to read a "
                     "part of the saved tree, pass `strict=False`; to read leaves saved in "
-                    "another dtype into `like`'s dtype, pass `cast=True`." + order,
+                    "another dtype into `like`'s dtype, pass `cast=True`." + order + hint,
                 )
             )
         return read, []
@@ -124,3 +132,72 @@ def match(
             stacklevel=3,
         )
     return read, [i for i, _ in kept]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stacking:
+    """A leaf of a `Stacked` of `like` read from a checkpoint of the list form: the saved
+    blocks' leaves (`blocks.0.w`, `blocks.1.w`, ..., in layer order), stacked along a new
+    leading dim, then stored stage-major for `order` (stages, repeats) if not `None`."""
+
+    pieces: tuple[str, ...]
+    order: tuple[int, int] | None
+
+
+def stacked_from_list(
+    flat: Flat, names: dict[str, int], saved: Any, like: Any, *, cast: bool
+) -> dict[str, Stacking]:
+    """The leaves of `like`'s `Stacked`s (`blocks.blocks.w`, shape `(n, ...)`) that the
+    checkpoint lacks but holds as a list of `n` blocks (`blocks.0.w` ... `blocks.{n-1}.w`,
+    each of shape `(...)` and `like`'s dtype, or any with `cast`): a model saved with
+    `self.blocks = [Block(...), ...]` restores into one with `Stacked.from_layers(...)`
+    at `blocks`. Keyed by the stacked leaf's name in `names`."""
+    found = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_stacked)[0]
+    stacks = [(dotted_path(p), s) for p, s in found if is_stacked(s)]
+    out: dict[str, Stacking] = {}
+    for name, i in names.items():
+        leaf = flat.leaves[i]
+        if name in saved or _compat.is_prng_key(leaf) or not getattr(leaf, "ndim", 0):
+            continue
+        for where, stack in stacks:
+            order = None if stack.stages is None else (stack.stages, stack.repeats)
+            # A stage-major stack's leaves carry its order after its path (`store._name`).
+            tag = "" if order is None else f"stage_major_{order[0]}x{order[1]}"
+            prefix = ".".join(part for part in (where, tag, "blocks") if part)
+            if name != prefix and not name.startswith(prefix + "."):
+                continue
+            rest = name[len(prefix) :]
+            pieces = tuple(
+                f"{where}.{k}{rest}" if where else f"{k}{rest}" for k in range(leaf.shape[0])
+            )
+            if all(
+                p in saved
+                and tuple(saved[p].shape) == tuple(leaf.shape[1:])
+                and (cast or np.dtype(saved[p].dtype) == np.dtype(leaf.dtype))
+                for p in pieces
+            ):
+                out[name] = Stacking(pieces, order)
+            break
+    return out
+
+
+def list_hint(like: Any, saved: Any) -> str:
+    """For an error: where `like` has a `Stacked` and the checkpoint a list of blocks at
+    the same path (`blocks.0.…`) that `stacked_from_list` could not stack, how it would."""
+    found = jax.tree_util.tree_flatten_with_path(like, is_leaf=is_stacked)[0]
+    for path, stack in found:
+        if not is_stacked(stack):
+            continue
+        where = dotted_path(path)
+        first = f"{where}.0." if where else "0."
+        if any(name.startswith(first) for name in saved):
+            return (
+                f" `like` has an `eqxshard.Stacked` at {where or 'its root'} where the "
+                f"checkpoint holds a list of blocks (`{first}…`): they restore into it when "
+                "the checkpoint holds every layer of the stack, each leaf of one layer's "
+                "shape and dtype. Build `like` from the saved model's blocks: "
+                f"`eqx.tree_at(lambda m: m.{where or '...'}, model, "
+                f"eqxshard.Stacked.from_layers(model.{where or '...'}))` (see "
+                "docs/pipelines.md)."
+            )
+    return ""

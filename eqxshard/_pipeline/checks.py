@@ -5,13 +5,14 @@ anything runs."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from .. import _compat
 from .._placement.targets import given_mesh
-from .._tree import Flat, leaf_error, pathstr, shape_str
+from .._tree import FallbackWarning, Flat, leaf_error, pathstr, shape_str
 from .bubble import bubble_fraction
 
 
@@ -151,6 +152,37 @@ def batch_size(
             f"divisible by {microbatches * parts}, or another `microbatches`."
         )
     return size, batch_axes
+
+
+# Mesh axes whose name says they split the batch (`data`, `fsdp`, `batch`, `dp`, ...): a
+# model's `model`/`tensor`/`expert` axes are never asked to split it.
+_DATA_WORDS = ("data", "batch", "fsdp", "dp", "replica")
+
+
+def warn_unsplit(
+    verb: str, size: int, microbatches: int, mesh: Mesh | AbstractMesh, axis: str
+) -> None:
+    """Warns when the batch, not split over the mesh's data axes, cuts into microbatches
+    that those axes cannot split either: each device of them then runs every row (the
+    result is right, the data parallelism is lost)."""
+    sizes = dict(mesh.shape)
+    data = [a for a in mesh.axis_names if a != axis and sizes[a] > 1]
+    data = [a for a in data if any(word in a.lower() for word in _DATA_WORDS)]
+    parts = math.prod(sizes[a] for a in data)
+    rows = size // microbatches
+    if data and rows % parts:
+        named = " x ".join(f"{a!r} ({sizes[a]})" for a in data)
+        warnings.warn(
+            f"`{verb}` runs each microbatch replicated over the mesh's data axes {named}: "
+            f"the batch of {size} cut into microbatches={microbatches} gives microbatches "
+            f"of {rows} rows, which do not split over {parts} devices. The result is the "
+            f"same, but every device of those axes does all the work. Pass a batch "
+            f"divisible by microbatches x data = {microbatches * parts} (e.g. "
+            f"{-(-size // (microbatches * parts)) * microbatches * parts}), or another "
+            "`microbatches`.",
+            FallbackWarning,
+            stacklevel=4,
+        )
 
 
 def check_layer(verb: str, layer: Any) -> None:

@@ -66,6 +66,16 @@ def _per_device(sharding: Sharding, shape: tuple[int, ...], itemsize: int) -> di
     }
 
 
+# The memory kinds of host memory: leaves there count as host bytes, not device bytes.
+HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def _host_kind(sharding: Sharding | None) -> str | None:
+    """The host memory kind `sharding` puts its leaf in, or `None` for device memory."""
+    kind = getattr(sharding, "memory_kind", None)
+    return kind if kind in HOST_KINDS else None
+
+
 def _own_sharding(x: Any) -> Sharding | None:
     if _compat.is_tracer(x):
         return _compat.traced_sharding(x)
@@ -84,7 +94,13 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     One row per array leaf: its dotted path (the form `path_rules` match), shape, dtype,
     spec, the bytes of it on one device, and its total bytes. Below: the bytes on each
-    device, and the largest leaves left whole on every device. For a tree of several
+    device, and the largest leaves left whole on every device, and the parts of the rules
+    of `spec` that gave no leaf its spec (a `path_rules` pattern with a typo, named with
+    the paths closest to it: listed, not warned about, as `describe` is often asked about
+    a part of a model with the whole's rules). Leaves in host memory (a
+    sharding whose `memory_kind` is `"pinned_host"`, as `filter_put(state,
+    memory_kind="pinned_host")` or a `Plan` that offloads the optimiser state places
+    them) count as host bytes, apart from the device bytes. For a tree of several
     parts (`describe({"params": params, "opt_state": opt_state})`), also each part's
     bytes on the fullest device: the optimiser state's next to the parameters'.
 
@@ -113,6 +129,7 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
 
     With a `target` or `spec`: the errors of `filter_shardings`.
 
+
     !!! Example
 
         ```python
@@ -133,12 +150,17 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
     rows: list[LeafRow] = []
     per_device: dict[Any, int] = {}
     by_part: dict[str, dict[Any, int]] = {}
+    host: dict[Any, int] = {}
     for i, sharding in shardings.items():
         x = flat.leaves[i]
         shape, itemsize = tuple(x.shape), x.dtype.itemsize
         held = {} if sharding is None else _per_device(sharding, shape, itemsize)
         part = by_part.setdefault(dotted_path(flat.paths[i][:1]), {})
+        kind = _host_kind(sharding)
         for device, n in held.items():
+            if kind is not None:  # offloaded (`filter_put(memory_kind="pinned_host")`)
+                host[device] = host.get(device, 0) + n
+                continue
             per_device[device] = per_device.get(device, 0) + n
             part[device] = part.get(device, 0) + n
         replicated = sharding is not None and sharding.is_fully_replicated
@@ -148,10 +170,11 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
                 shape=shape,
                 dtype=str(x.dtype),
                 sharding=sharding,
-                spec=_spec_str(sharding),
+                spec=_spec_str(sharding) + (f" in {kind}" if kind is not None else ""),
                 bytes=math.prod(shape) * itemsize,
                 bytes_per_device=max(held.values()) if held else None,
                 replicated=replicated,
+                memory_kind=kind or "device" if sharding is not None else None,
                 stage_major=next(
                     (o for p, o in orders if tuple(flat.paths[i][: len(p)]) == p), None
                 ),
@@ -172,6 +195,8 @@ def describe(tree: PyTree, target: Any = None, spec: Any = None) -> ShardingTabl
         if len(by_part) > 1
         else {},
         left_replicated=left,
+        unmatched=[] if spec is None else _unmatched(flat, spec, shardings),
+        host_bytes_per_device=dict(sorted(host.items(), key=lambda item: _device_order(item[0]))),
     )
 
 
@@ -195,6 +220,20 @@ def _left_replicated(
             n, size = out.get(reason, (0, 0))
             out[reason] = (n + 1, size + math.prod(x.shape) * x.dtype.itemsize)
     return out
+
+
+def _unmatched(flat: Flat, spec: Any, shardings: dict[int, Sharding | None]) -> list[str]:
+    """The parts of the rules of `spec` that gave no leaf its spec (a `path_rules` pattern
+    with a typo, with the paths closest to it), as `filter_shard` warns about them."""
+    forms = spec_tree.forms_per_leaf(flat, spec, verb="describe")
+    asked: dict[int, tuple[Any, list[tuple[Any, Any, Any]]]] = {}
+    for i, sharding in shardings.items():
+        form, path = forms[i]
+        if not isinstance(sharding, NamedSharding) or not spec_tree.is_rule(form):
+            continue
+        if getattr(form, "unused", None) is not None:
+            asked.setdefault(id(form), (form, []))[1].append((path, flat.leaves[i], sharding.mesh))
+    return [part for rule, seen in asked.values() for part in rule.unused(seen)]
 
 
 def _device_order(device: Any) -> int:

@@ -8,7 +8,7 @@ from typing import Any
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .._placement.targets import RuleError
-from .._tree import Path, shape_str
+from .._tree import Path, did_you_mean, shape_str
 from .rules import Rule
 
 
@@ -23,9 +23,13 @@ class FSDP(Rule):
         sizes = dict(mesh.shape)
         missing = [n for n in self.names if n not in sizes]
         if missing:
+            # The fix leads (the same for every leaf); the leaves follow, then it again.
+            guess = did_you_mean(missing[0], list(sizes))
             raise RuleError(
-                f"was given `fsdp` over mesh axes {missing} that the mesh lacks, for these leaves:",
-                (f"mesh axes {list(sizes)}",),
+                f"was given `fsdp` over mesh axes {missing} that the mesh lacks: the mesh has "
+                f"axes {tuple(sizes)}.{guess} Pass `fsdp(axis=...)` one of them. The "
+                "leaves it was asked to lay out:",
+                (),
                 "Pass `fsdp(axis=...)` one of the mesh's axis names (or a tuple of them).",
             )
         parts = math.prod(sizes[n] for n in self.names)

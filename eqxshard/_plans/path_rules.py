@@ -3,6 +3,7 @@ dotted path."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,8 +59,9 @@ class PathRules(Rule):
         for path, _, _ in seen:
             text = dotted_path(path)
             used.add(next((n for n, (p, _) in enumerate(self.rules) if p.fullmatch(text)), None))
+        paths = list(dict.fromkeys(dotted_path(path) for path, _, _ in seen))
         return [
-            f"path_rules pattern {p.pattern!r}"
+            f"path_rules pattern {p.pattern!r}{_near_misses(p, paths)}"
             for n, (p, _) in enumerate(self.rules)
             if n not in used and not _catch_all(p)
         ]
@@ -84,6 +86,15 @@ def _from_keystr(pattern: Any) -> Any:
     return re.escape(".".join(parts))
 
 
+def _near_misses(pattern: re.Pattern, paths: list[str]) -> str:
+    """` (near misses: 'blocks.0.attn.weight', ...)`: the leaf paths closest to `pattern`
+    read as text (its escapes and `\\d+`s dropped), for a pattern with a typo; `""` when
+    none is close."""
+    text = re.sub(r"\\d[+*]?|\\(.)", lambda m: m.group(1) or "0", pattern.pattern)
+    close = difflib.get_close_matches(text, paths, n=3, cutoff=0.6)
+    return f" (near misses: {', '.join(map(repr, close))})" if close else ""
+
+
 def _catch_all(pattern: re.Pattern) -> bool:
     """A pattern such as `.*` that matches any path: kept as a safeguard, never warned
     about when earlier patterns leave it nothing."""
@@ -105,9 +116,11 @@ def path_rules(
     error listing every such path, unless the rule is followed by another
     (`path_rules([...]) | fsdp("data")`) or ends with a catch-all `(r".*", P())`. A
     pattern that gives no leaf its spec (it matches no path, or earlier patterns or
-    rules take every leaf it matches) is a warning naming it, alone or inside `first`
-    (a catch-all such as `.*` excepted; `describe`, often asked about a part of a model,
-    does not warn).
+    rules take every leaf it matches) is a warning naming it and the leaf paths closest
+    to it, alone or inside `first` (a catch-all such as `.*` excepted), from
+    `filter_shard`, `filter_shardings` and `filter_init`: the layout is still a valid
+    one, but not the one asked for. `describe`, often asked about a part of a model with
+    the whole's rules, lists such patterns below its table instead.
 
     **Arguments:**
 

@@ -11,7 +11,7 @@ from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from .. import _compat
 from .._placement.targets import RuleError
-from .._tree import Path, shape_str
+from .._tree import Path, did_you_mean, shape_str
 from .rules import NO_MATCH, Rule, as_rule, dotted_path
 
 
@@ -26,10 +26,12 @@ class Stages(Rule):
             return NO_MATCH
         sizes = dict(mesh.shape)
         if self.axis not in sizes:
+            guess = did_you_mean(self.axis, list(sizes))
             raise RuleError(
-                f"was given `stages` over the mesh axis {self.axis!r}, which the mesh lacks, "
-                "for these leaves:",
-                (f"mesh axes {list(sizes)}",),
+                f"was given `stages` over the mesh axis {self.axis!r}, which the mesh lacks: "
+                f"the mesh has axes {tuple(sizes)}.{guess} Pass `stages(axis=...)` one of "
+                "them. The leaves it was asked to lay out:",
+                (),
                 "Pass `stages(axis=...)` the mesh's stage axis, or add one to the mesh.",
             )
         shape = tuple(leaf.shape)

@@ -34,6 +34,9 @@ class LeafRow:
     - `stage_major`: for a leaf of a circular `Stacked` stored stage-major, the
         `(stages, repeats)` its layer dim is ordered for (`by_stage` numbers its layers
         from it); `None` for a leaf in layer order (every other leaf).
+    - `memory_kind`: `"device"`, or the host memory it lives in (`"pinned_host"`,
+        `"unpinned_host"`: counted in `host_bytes_per_device`, not `bytes_per_device`);
+        `None` if not placed.
     """
 
     path: str
@@ -45,6 +48,7 @@ class LeafRow:
     bytes_per_device: int | None
     replicated: bool
     stage_major: tuple[int, int] | None = None
+    memory_kind: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,12 @@ class ShardingTable:
     - `left_replicated`: for a plan made by rules, why they left leaves whole on every
         device of a mesh of several (e.g. `fsdp`'s "fewer than `min_size` elements"),
         each reason with how many leaves and bytes. Printed below the table.
+    - `host_bytes_per_device`: the bytes each device holds in host memory (leaves placed
+        with a `pinned_host` or `unpinned_host` memory kind, e.g. an offloaded optimiser
+        state), not counted in `bytes_per_device`. Empty when nothing is offloaded.
+    - `unmatched`: for a plan made by rules, the parts of them that gave no leaf its spec
+        (`"path_rules pattern '...' (near misses: ...)"`), as `filter_shard` warns about
+        them. Printed below the table.
     """
 
     rows: list[LeafRow]
@@ -74,6 +84,8 @@ class ShardingTable:
     unsharded: list[LeafRow]
     parts: dict[str, int] = dataclasses.field(default_factory=dict)
     left_replicated: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    host_bytes_per_device: dict[Any, int] = dataclasses.field(default_factory=dict)
+    unmatched: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def max_bytes_per_device(self) -> int:
@@ -120,6 +132,18 @@ class ShardingTable:
                     f"{device_name(d)}: {format_bytes(b)}" for d, b in per_device.items()
                 )
                 lines.append(f"Bytes per device: {held}.")
+        if self.host_bytes_per_device:
+            values = set(self.host_bytes_per_device.values())
+            held = (
+                f"{format_bytes(next(iter(values)))} on each of its "
+                f"{len(self.host_bytes_per_device)} devices"
+                if len(values) == 1
+                else ", ".join(
+                    f"{device_name(d)}: {format_bytes(b)}"
+                    for d, b in self.host_bytes_per_device.items()
+                )
+            )
+            lines.append(f"In host memory (offloaded, not counted above): {held}.")
         if self.parts:
             held = ", ".join(f"{name}: {format_bytes(b)}" for name, b in self.parts.items())
             lines.append(f"On the fullest device, by part: {held}.")
@@ -136,6 +160,11 @@ class ShardingTable:
                 for reason, (k, b) in self.left_replicated.items()
             )
             lines.append(f"Left replicated by the rules: {n} leaves ({format_bytes(size)}): {why}.")
+        if self.unmatched:
+            lines.append(
+                f"Rules that gave no leaf its spec: {', '.join(self.unmatched)}. A pattern "
+                "must match a whole dotted path (`re.fullmatch`) as printed above."
+            )
         lines.append(FOOTPRINT)
         return lines
 

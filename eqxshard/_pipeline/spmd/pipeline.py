@@ -58,6 +58,8 @@ def run_pipeline(
     checks.check_counts(verb, microbatches, repeats, stages)
     checks.check_blocks(verb, blocks, stages, repeats)
     batch, batch_axes = checks.batch_size(verb, x, mesh, axis, microbatches)
+    if not batch_axes:
+        checks.warn_unsplit(verb, batch, microbatches, mesh, axis)
     policy = check_remat(verb, remat, mesh)
     warn_regrouped(verb, stage_major, repeats, stages, axis)
     weights, static = eqx.partition(blocks, eqx.is_array)
@@ -171,7 +173,11 @@ def filter_pipeline(
     them out with `eqxshard.stages(axis)` in `first(...)` with other rules).
 
     Microbatches fewer than the stages are refused (the pipeline would mostly idle, and
-    the circular schedule needs `M >= S`).
+    the circular schedule needs `M >= S`). A batch not split over the mesh's data axes
+    (those named like `"data"`, `"fsdp"`, `"batch"`) whose microbatches those axes cannot
+    split either (batch 20, `microbatches=4`, `data=2`: rows of 5) runs replicated over
+    them, each device doing all the work: the result is right, so this is a
+    `FallbackWarning` (not an error) naming the sizes and a batch that splits.
 
     **Arguments:**
 
@@ -217,6 +223,11 @@ def filter_pipeline(
         memory.
     - `TypeError`: if `layer` is not callable, `mesh` is not a mesh, `microbatches` or
         `repeats` is not an int, or `x` has non-array leaves (each named).
+
+    **Warns:**
+
+    - `eqxshard.FallbackWarning`: if the microbatches do not split over the mesh's data
+        axes, which then each run every row.
 
     !!! Example
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import AbstractMesh, Mesh
 
 from ... import _compat
+from ..._tree import FallbackWarning, did_you_mean
 from ..remat import check_remat
 from ..spmd.pipeline import run_pipeline
 from ..spmd.stage_major import from_stage_major, to_stage_major
@@ -32,7 +34,9 @@ class Stacked(eqx.Module):
     With `axis` set, the stack is a pipeline whenever the mesh (`mesh`, or the one set by
     `jax.set_mesh`) has that axis: the layers are split into stages over `axis` and the
     batch into `microbatches` (see `filter_pipeline`); without such a mesh it is the plain
-    scan, so the same model runs on one device. A pipeline needs the batch:
+    scan, so the same model runs on one device. On a mesh without `axis` it is the plain
+    scan too, with a `FallbackWarning` naming the mesh's axes (the result is the same, but
+    the pipeline asked for is off: a warning, not an error). A pipeline needs the batch:
 
     - called on a batch (`h` with a leading batch dim), each block is called on a
         microbatch, so blocks must accept a batch;
@@ -153,12 +157,17 @@ class Stacked(eqx.Module):
 
         Every block must have the same non-array leaves and the same array shapes and
         dtypes; the array leaves are stacked along a new leading dim. `options` are
-        `Stacked`'s keywords (`remat`, `axis`, ...). `to_layers` is the inverse.
+        `Stacked`'s keywords (`remat`, `axis`, ...). `to_layers` is the inverse. To swap
+        a model's list of blocks for a stack in one step, `eqx.tree_at(lambda m:
+        m.blocks, model, Stacked.from_layers(model.blocks))`; `filter_restore` reads a
+        checkpoint of the list form into the stacked model (see docs/pipelines.md).
 
         **Raises:**
 
         - `ValueError`: if `layers` is empty, or its blocks differ in structure, in
-            non-array leaves, or in array shapes or dtypes (each listed).
+            non-array leaves (static fields included), or in array shapes or dtypes:
+            each difference by its path, e.g. `layers.3.up.weight  float32(64, 32)
+            layers.0 has float32(32, 32)`, or `layers.2.act  relu  layers.0 has gelu`.
         """
         from .convert import stack_layers
 
@@ -174,11 +183,34 @@ class Stacked(eqx.Module):
             eqx.combine(jax.tree.map(lambda x, i=i: x[i], params), static) for i in range(self.n)
         ]
 
+    def __iter__(self) -> Any:
+        """Refused with the one-line fix: a model that looped over a list of blocks
+        (`for block in self.blocks: h = block(h)`) calls its stack once instead."""
+        raise TypeError(
+            "A `Stacked` is not iterated: it runs its layers itself, as one scan (or a "
+            "pipeline). Replace `for block in self.blocks: h = block(h)` with "
+            "`h = self.blocks(h)` (`h = self.blocks(h, key=key)` for blocks that take a "
+            "key); `stack.to_layers()` gives the blocks as a list."
+        )
+
     def _pipeline_mesh(self) -> Mesh | AbstractMesh | None:
         if self.axis is None:
             return None
         mesh = self.mesh if self.mesh is not None else _compat.ambient_mesh()
-        return mesh if mesh is not None and self.axis in mesh.axis_names else None
+        if mesh is None:
+            return None  # no mesh at all: the same model on one device, as documented
+        if self.axis not in mesh.axis_names:
+            warnings.warn(
+                f"`Stacked(axis={self.axis!r})` runs as the plain scan, not a pipeline: its "
+                f"mesh has no axis {self.axis!r}, only {tuple(mesh.axis_names)}."
+                f"{did_you_mean(self.axis, mesh.axis_names)} Pass `axis=` the mesh's stage "
+                "axis (or add that axis to the mesh) to pipeline; `axis=None` for the plain "
+                "scan without this warning.",
+                FallbackWarning,
+                stacklevel=3,
+            )
+            return None
+        return mesh
 
     def _order(self) -> tuple[int, int] | None:
         return None if self.stages is None else (self.stages, self.repeats)
