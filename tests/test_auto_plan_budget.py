@@ -18,6 +18,7 @@ from helpers import compiled_total, mse_step
 
 import eqxshard
 from eqxshard._caches import clear_all
+from eqxshard._plans.auto.dimensions import offload
 from eqxshard._plans.auto.measure import jobs
 from eqxshard._tree import format_bytes
 
@@ -200,9 +201,10 @@ def test_exclude_leaves_out_families_and_dimensions(generous):
     assert {c.name for c in generous.table} == {"DP", "FSDP", "TP"}
     no_tp = _search("1MiB", exclude=("tensor",))
     assert {c.name for c in no_tp.table} == {"DP", "FSDP"}
-    only_tp = _search("110KiB", exclude=("data", "fsdp"))
-    assert [c.name for c in only_tp.table] == ["TP + offload", "TP"]
-    assert only_tp.offload == ("optimizer state",)
+    if offload.supported(jax.devices()):  # pinned host memory inside `jit` (not jax 0.7.2)
+        only_tp = _search("110KiB", exclude=("data", "fsdp"))
+        assert [c.name for c in only_tp.table] == ["TP + offload", "TP"]
+        assert only_tp.offload == ("optimizer state",)
     with pytest.raises(eqxshard.NothingFits) as caught:
         _search("110KiB", exclude=("data", "fsdp", "offload"))
     assert [c.name for c in caught.value.table] == ["TP"]

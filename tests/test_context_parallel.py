@@ -56,6 +56,16 @@ def test_one_layer_matches_the_original(strategy: str):
             loss(split, x, heads)
 
 
+# jax 0.7.2 records no mesh axes a `vmap` takes over an Explicit axis, and fails to lower a
+# per-example `shard_map` there ("Sharding spec ('data',) implies that array axis 0 is
+# partitioned 2 times, but does not evenly divide the dimension size 1"); later JAX runs it.
+HAS_VMAP_MESH_AXES = hasattr(
+    __import__("jax._src.core", fromlist=["get_axis_env"]).get_axis_env(),
+    "explicit_mesh_axis_names",
+)
+
+
+@pytest.mark.skipif(not HAS_VMAP_MESH_AXES, reason="JAX records no vmap-taken mesh axes")
 def test_on_an_explicit_data_context_mesh():
     """Inputs laid out over Explicit `data` and `context` axes; the output keeps the layout."""
     mesh = make_mesh("explicit", (2, 4), ("data", "context"))

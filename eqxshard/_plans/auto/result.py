@@ -340,11 +340,18 @@ class Plan:
 
     def __repr__(self) -> str:
         return (
-            f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self.rules!r}, "
+            f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self._rules_repr()}, "
             f"batch_spec={spec_str(self.batch_spec)}, budget={self.budget!r}, "
             f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r}"
             + (f", context={self.context!r})" if self.context is not None else ")")
         )
+
+    def _rules_repr(self) -> str:
+        """`rules` as Python: a bare `PartitionSpec` as `P(...)` (its own repr differs by
+        JAX version), anything else by its repr."""
+        if isinstance(self.rules, PartitionSpec):
+            return spec_str(self.rules)
+        return repr(self.rules)
 
     def _repr_html_(self) -> str:
         if not self.table:
