@@ -111,8 +111,8 @@ class Plan:
     def _choice(self) -> tuple[Any, ...]:
         return (
             dict(self.mesh.shape),
-            repr(self.rules),
-            self.batch_spec,
+            self._rules_repr(),
+            spec_str(self.batch_spec),  # `P('x')` and `P(('x',))` alike, on every JAX
             self.budget,
             self.remat,
             self.offload,
@@ -328,7 +328,7 @@ class Plan:
         ]
         said = "".join(f", {m}" for m in more if m)
         return (
-            f"Plan on {view.mesh_str(dict(self.mesh.shape))}: rules {self.rules!r}, batch "
+            f"Plan on {view.mesh_str(dict(self.mesh.shape))}: rules {self._rules_repr()}, batch "
             f"{spec_str(self.batch_spec)}, budget {format_bytes(self.budget)}{said}. "
             "(No table of candidates: this plan was built from its fields, e.g. `repr(plan)`.)"
         )
