@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar, overload
 
@@ -205,15 +206,17 @@ def shape_str(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
-def format_bytes(n: int) -> str:
-    """Bytes in binary units: `512 B`, `1.5 KiB`, `2.0 GiB`."""
+def format_bytes(n: int, *, round_up: bool = False, sep: str = " ") -> str:
+    """Bytes in binary units: `512 B`, `1.5 KiB`, `2.0 GiB` (`sep` between the number and
+    the unit; `round_up`: the tenth above, never less than `n`)."""
     if n < 1024:
-        return f"{n} B"
+        return f"{n}{sep}B"
     size = float(n)
     for unit in ("KiB", "MiB", "GiB", "TiB"):
         size /= 1024
         if size < 1024 or unit == "TiB":
-            return f"{size:.1f} {unit}"
+            shown = math.ceil(size * 10) / 10 if round_up else size
+            return f"{shown:.1f}{sep}{unit}"
     raise AssertionError("unreachable")
 
 

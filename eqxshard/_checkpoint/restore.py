@@ -15,18 +15,7 @@ from .._pipeline.spmd.stage_major import to_stage_major
 from .._placement import place, staging
 from .._plans.plan import plan_shardings
 from .._tree import Flat, T, is_array_like, leaf_error, pathstr
-from . import restore_match
-from .store import (
-    checked_directory,
-    checked_step,
-    complete_steps,
-    damage,
-    import_orbax,
-    leaf_names,
-    open_manager,
-    read_part,
-    steps_on_disk,
-)
+from . import restore_match, store
 
 
 def _own_sharding(leaf: Any) -> Sharding | None:
@@ -149,11 +138,11 @@ def filter_restore(
                 f"`filter_restore` takes `{name}` as a bool, but got {flag!r} of type "
                 f"{type(flag).__name__}."
             )
-    ocp = import_orbax(verb)
-    directory = checked_directory(directory, verb)
-    all_steps = steps_on_disk(ocp, directory)
+    ocp = store.import_orbax(verb)
+    directory = store.checked_directory(directory, verb)
+    all_steps = store.steps_on_disk(ocp, directory)
     # An explicit step is read or is an error; only `step=None` skips damaged ones, saying so.
-    steps = complete_steps(ocp, directory, warn=step is None)
+    steps = store.complete_steps(ocp, directory, warn=step is None)
     if step is None:
         if not steps:
             damaged = f" (damaged steps, skipped: {all_steps})" if all_steps else ""
@@ -163,13 +152,13 @@ def filter_restore(
             )
         step = steps[-1]
     else:
-        step = checked_step(step, verb)
+        step = store.checked_step(step, verb)
         if step not in all_steps:
             raise FileNotFoundError(
                 f"`filter_restore` found no step {step} in {directory}; it holds steps "
                 f"{steps}. Pass one of them as `step`, or `step=None` for the newest."
             )
-        problem = damage(directory, step)
+        problem = store.damage(directory, step)
         if problem is not None:
             raise _damaged(directory, step, problem, steps)
     flat = Flat(like, is_array=is_array_like)
@@ -183,7 +172,7 @@ def filter_restore(
             flat, shardings = plan_shardings(verb, like, flat.rebuild({**own, **statics}), None)
     else:
         flat, shardings = plan_shardings(verb, like, target, spec)
-    names = leaf_names(verb, flat, like)
+    names = store.leaf_names(verb, flat, like)
     # What no plan gave (no target, or `None` in a prefix target) keeps its own sharding.
     unplaced = []
     for i in flat.array_indices:
@@ -203,7 +192,7 @@ def filter_restore(
             )
         )
 
-    manager = open_manager(ocp, directory, create=False)
+    manager = store.open_manager(ocp, directory, create=False)
     try:
         try:
             metadata = manager.item_metadata(step)
@@ -247,7 +236,7 @@ def filter_restore(
             if len(abstract) == len(saved):
                 restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
             else:  # a part of the saved tree: only its leaves are read
-                restored = read_part(ocp, directory, step, abstract)
+                restored = store.read_part(ocp, directory, step, abstract)
         except Exception as e:
             raise _damaged(
                 directory, step, f"its array data is unreadable ({_short(e)})", steps

@@ -43,15 +43,11 @@ def watching() -> Iterator[list[PipelineCall]]:
         _WATCHING.pop()
 
 
-def note(
-    axis: object,
-    microbatches: object,
-    repeats: object,
-    blocks: Any = None,
-    mesh: object = None,
-    verb: str = "filter_pipeline",
-) -> None:
-    """Records a pipeline call for the innermost `watching()` (if any)."""
+def note(schedule: tuple[Any, Any, Any], blocks: Any, mesh: Any, verb: str) -> None:
+    """Records a pipeline call for the innermost `watching()` (if any): its `schedule`
+    (the stage axis, microbatches and chunks per stage), `blocks`, whether `mesh=` was
+    given, and the `verb` called."""
+    axis, microbatches, repeats = schedule
     if not _WATCHING:
         return
     found = jax.tree_util.tree_flatten_with_path(blocks, is_leaf=is_array_like)[0]

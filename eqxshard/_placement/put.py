@@ -169,20 +169,16 @@ def _check_traced_targets(flat: Flat, shardings: dict[int, Sharding]) -> None:
 
 
 def _check_memory_kind(flat: Flat, shardings: dict[int, Any], memory_kind: str) -> None:
-    rows = []
-    for i, s in shardings.items():
-        kinds = _memory_kinds(s)
-        if memory_kind not in kinds:
-            rows.append((pathstr(flat.paths[i]), f"target devices have {sorted(kinds)}"))
+    kinds = {i: _memory_kinds(s) for i, s in shardings.items()}
+    rows = [
+        (pathstr(flat.paths[i]), f"target devices have {sorted(k)}")
+        for i, k in kinds.items()
+        if memory_kind not in k
+    ]
+    head = f"`filter_put` got memory_kind={memory_kind!r}, which these leaves' target devices "
     if rows:
-        raise ValueError(
-            leaf_error(
-                f"`filter_put` got memory_kind={memory_kind!r}, which these leaves' target "
-                "devices do not have:",
-                rows,
-                "Pass one of the memory kinds listed.",
-            )
-        )
+        fix = "Pass one of the memory kinds listed."
+        raise ValueError(leaf_error(head + "do not have:", rows, fix))
 
 
 def _check_traced_memory_kind(flat: Flat, shardings: dict[int, Any], memory_kind: str) -> None:

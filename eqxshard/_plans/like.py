@@ -243,10 +243,12 @@ def like(params: Any, plan: Any = None, *, min_size: int = 2**14) -> Like:
         ```python
         import optax
 
-        auto = (jax.sharding.AxisType.Auto,)
-        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=auto)
-        make = lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key)
-        model = eqxshard.filter_init(make, mesh, eqxshard.fsdp("data"))(jax.random.key(0))
+        mesh = jax.make_mesh(
+            (jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,)
+        )
+        model = eqxshard.filter_init(
+            lambda key: eqx.nn.MLP(64, 64, 256, 2, key=key), mesh, eqxshard.fsdp("data")
+        )(jax.random.key(0))
         optimiser = optax.adam(1e-3)
         params = eqx.filter(model, eqx.is_array)
         opt_state = eqxshard.filter_init(optimiser.init, mesh, eqxshard.like(params))(params)

@@ -134,7 +134,7 @@ def pipeline_value_and_grad(
         blocks = eqx.apply_updates(blocks, updates)  # one training step
         ```
     """
-    watch.note(axis, microbatches, 1, blocks, mesh, verb=_VERB)
+    watch.note((axis, microbatches, 1), blocks, mesh, _VERB)
     checks.check_layer(_VERB, layer)
     found = checks.get_mesh(_VERB, mesh, axis)
     check_mpmd(_VERB, loss, schedule, SCHEDULES, found, on_tick)

@@ -254,7 +254,7 @@ def filter_pipeline(
         ```
     """
     chunks = _repeats(schedule, repeats)
-    watch.note(axis, microbatches, chunks, blocks, mesh)
+    watch.note((axis, microbatches, chunks), blocks, mesh, _VERB)
     return run_pipeline(
         _VERB,
         layer,

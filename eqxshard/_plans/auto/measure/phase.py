@@ -15,13 +15,8 @@ def measure(traced: Traced, dimensions: tuple[Dimension, ...], proposal: Proposa
     search = Search(traced, dimensions, Measured((), ()))
     work = [search.lay_out(layout) for layout in proposal.layouts]
     search.compile(work, grouped=True)
+    t, row = traced, search.row
     batch_proxies.settle(
-        traced.problem,
-        traced.problem_key,
-        work,
-        local=traced.local,
-        progress=traced.progress,
-        row=search.row,
-        budget=traced.budget,
+        t.problem, t.problem_key, work, local=t.local, progress=t.progress, row=row, budget=t.budget
     )
     return Search(traced, dimensions, Measured(tuple(work), tuple(search.row(j) for j in work)))

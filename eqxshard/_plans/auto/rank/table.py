@@ -91,14 +91,7 @@ def ranked(candidates: list[Candidate], budget: int) -> list[Candidate]:
 def budget_str(n: int) -> str:
     """`n` bytes as a `budget=` string that is no less than `n` (`format_bytes` rounded
     up): `"2.4MiB"`."""
-    if n < 1024:
-        return f"{n}B"
-    size = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        size /= 1024
-        if size < 1024 or unit == "TiB":
-            return f"{math.ceil(size * 10) / 10:.1f}{unit}"
-    raise AssertionError("unreachable")
+    return format_bytes(n, round_up=True, sep="")
 
 
 def nothing_fits(table: list[Candidate], budget: int, n: int, size: int) -> NothingFits:
