@@ -21,8 +21,9 @@ HELLO = """\
 import os, socket, sys
 names = ("EQXSHARD_", "JAX_")
 # (The stand-in for ssh passes the launcher's environment on: the test suite's own
-# EQXSHARD_TEST_* settings and its compilation cache are not the run's variables.)
-ours = ("EQXSHARD_TEST_", "JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_")
+# EQXSHARD_TEST_* settings, auto_plan's cache folder and its compilation cache are not the
+# run's variables.)
+ours = ("EQXSHARD_TEST_", "EQXSHARD_CACHE_DIR", "JAX_COMPILATION_CACHE_", "JAX_PERSISTENT_CACHE_")
 print("hello", socket.gethostname(), sorted((k, v) for k, v in os.environ.items()
       if k.startswith(names) and not k.startswith(ours)), sys.argv[1:],
       sys.executable, __file__, flush=True)
