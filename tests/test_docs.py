@@ -46,10 +46,9 @@ class Block:
     skip: str | None  # the reason, if the block is marked to be skipped
 
 
-def parse(text: str) -> list[Block]:
-    """The ```python blocks of a Markdown page, with the skip reason of each."""
-    lines = text.splitlines()
-    blocks = []
+def fenced(lines: list[str]):
+    """Each fenced block of a page's lines: (index of its fence line, its language, the
+    line before the fence, its body with the fence's indent taken off)."""
     i = 0
     while i < len(lines):
         match = FENCE.match(lines[i])
@@ -60,11 +59,18 @@ def parse(text: str) -> list[Block]:
         end = i + 1
         while end < len(lines) and not lines[end].strip().startswith(fence):
             end += 1
-        if language == "python":
-            marker = SKIP.match(lines[i - 1]) if i > 0 else None
-            body = [line[len(indent) :] for line in lines[i + 1 : end]]
-            blocks.append(Block(i + 2, "\n".join(body) + "\n", marker and marker.group(1)))
+        previous = lines[i - 1] if i > 0 else ""
+        yield i, language, previous, [line[len(indent) :] for line in lines[i + 1 : end]]
         i = end + 1
+
+
+def parse(text: str) -> list[Block]:
+    """The ```python blocks of a Markdown page, with the skip reason of each."""
+    blocks = []
+    for i, language, previous, body in fenced(text.splitlines()):
+        if language == "python":
+            marker = SKIP.match(previous)
+            blocks.append(Block(i + 2, "\n".join(body) + "\n", marker and marker.group(1)))
     return blocks
 
 
@@ -166,28 +172,15 @@ def test_page_runs(path: Path, tmp_path: Path):
 def outputs(text: str) -> list[tuple[int, int, str]]:
     """The page's `<!-- output -->` text blocks: (line of the block, index of the python
     block run above it, the text)."""
-    lines = text.splitlines()
     found = []
     ran = -1  # unskipped python blocks seen so far, less one
-    i = 0
-    while i < len(lines):
-        match = FENCE.match(lines[i])
-        if not match:
-            i += 1
-            continue
-        indent, fence, language = match.groups()
-        end = i + 1
-        while end < len(lines) and not lines[end].strip().startswith(fence):
-            end += 1
-        previous = lines[i - 1] if i > 0 else ""
+    for i, language, previous, body in fenced(text.splitlines()):
         if language == "python" and not SKIP.match(previous):
             ran += 1
         elif language == "text" and OUTPUT.match(previous):
             if ran < 0:
                 raise ValueError(f"line {i + 1}: an output block with no python block above")
-            body = "\n".join(line[len(indent) :] for line in lines[i + 1 : end])
-            found.append((i + 2, ran, body))
-        i = end + 1
+            found.append((i + 2, ran, "\n".join(body)))
     return found
 
 
