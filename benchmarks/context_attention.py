@@ -31,7 +31,6 @@ import argparse
 import datetime
 import io
 import os
-import re
 import statistics
 import sys
 import time
@@ -44,19 +43,13 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
+from _compiled import collectives, mib, per_device  # noqa: E402
 from _table import print_table  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KINDS = {
-    "collective-permute": "cp",
-    "all-gather": "ag",
-    "all-to-all": "a2a",
-    "all-reduce": "ar",
-    "reduce-scatter": "rs",
-}
 
 
 def unsplit(q, k, v, causal):
@@ -70,22 +63,6 @@ def unsplit(q, k, v, causal):
 
 def _grad(attention):
     return jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v) ** 2), argnums=(0, 1, 2)))
-
-
-def collectives(hlo: str) -> str:
-    counts = {
-        short: len(re.findall(rf"\b{kind}(?:-start)?\(", hlo)) for kind, short in KINDS.items()
-    }
-    return " ".join(f"{short} {n}" for short, n in counts.items() if n) or "-"
-
-
-def per_device(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 def run(t: int, heads: int, dim: int, repeats: int, fit: int, timed: bool) -> list[tuple]:

@@ -37,7 +37,6 @@ import datetime
 import io
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -52,19 +51,13 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
     jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
+from _compiled import collectives, mib, per_device  # noqa: E402
 from _table import print_table  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-KINDS = {
-    "all-to-all": "a2a",
-    "all-gather": "ag",
-    "reduce-scatter": "rs",
-    "all-reduce": "ar",
-    "collective-permute": "cp",
-}
 
 
 def expert(block, h):
@@ -97,22 +90,6 @@ def _grad(layer):
         return jnp.sum(layer(experts, x, indices, weights) ** 2)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-
-def collectives(hlo: str) -> str:
-    counts = {
-        short: len(re.findall(rf"\b{kind}(?:-start)?\(", hlo)) for kind, short in KINDS.items()
-    }
-    return " ".join(f"{short} {n}" for short, n in counts.items() if n) or "-"
-
-
-def per_device(compiled) -> int:
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-
-
-def mib(n: int) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 def run(n: int, e: int, d: int, hidden: int, k: int, repeats: int, timed: bool) -> list[tuple]:
