@@ -60,6 +60,18 @@ def _empty(ax: Axes, x: float, y: float, w: float) -> None:
     ax.add_patch(Rectangle((x, y), w, 1, facecolor="#eeeeee", edgecolor="white"))
 
 
+def _slots(ax: Axes, x: int, y: int, taken: list, n: int, colour: tuple) -> int:
+    """`n` slots from `x` on row `y`: the (token, expert) pairs of `taken` in the first,
+    the rest empty (padding); how many were drawn."""
+    for slot in range(n):
+        if slot < len(taken):
+            t, e = taken[slot]
+            cell(ax, x + slot, y, 1, colour, 0.8, f"t{t} e{e}", fontsize=6)
+        else:
+            _empty(ax, x + slot, y, 1)
+    return min(len(taken), n)
+
+
 def draw(out: Path) -> int:
     """Writes the picture; returns how many assignment cells it drew."""
     capacity = math.ceil(1.0 * LOCAL * K / E)
@@ -85,14 +97,7 @@ def draw(out: Path) -> int:
     for d in range(A):
         for source in range(A):
             mine = [(t, e) for t, e in assignments(source) if e // PER == d]
-            for slot in range(rows):
-                x = source * rows + slot
-                if slot < len(mine):
-                    t, e = mine[slot]
-                    cell(dropless, x, A - 1 - d, 1, colours(source), 0.8, f"t{t} e{e}", fontsize=6)
-                    drawn += 1
-                else:
-                    _empty(dropless, x, A - 1 - d, 1)
+            drawn += _slots(dropless, source * rows, A - 1 - d, mine, rows, colours(source))
     dropless.set_title(
         f"dropless: received, {rows} rows from each source (grey: padding); "
         f"each of the {PER} local experts runs on all {A * rows}",
@@ -106,15 +111,8 @@ def draw(out: Path) -> int:
             for local in range(PER):
                 e = d * PER + local
                 mine = [(t, x) for t, x in assignments(source) if x == e and (t, x) in keep]
-                for slot in range(capacity):
-                    x = source * block + local * capacity + slot
-                    if slot < len(mine):
-                        t, _ = mine[slot]
-                        label = f"t{t} e{e}"
-                        cell(capped, x, A - 1 - d, 1, colours(source), 0.8, label, fontsize=6)
-                        drawn += 1
-                    else:
-                        _empty(capped, x, A - 1 - d, 1)
+                x = source * block + local * capacity
+                drawn += _slots(capped, x, A - 1 - d, mine, capacity, colours(source))
     capped.set_title(
         f"capacity 1.0: C = {capacity} row per expert from each source; each expert runs on "
         f"its own {A * capacity}",
