@@ -327,3 +327,25 @@ def test_bad_input_is_a_clear_error(name: str):
     q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
     with pytest.raises(error, match=words):
         eqxshard.context_attention(q, k, v, **call)
+
+
+def test_eager_calls_build_one_program_per_call_shape():
+    """Eagerly, one jitted program per call shape (kept across calls, emptied by
+    `eqxshard.clear_caches`), not a `shard_map` run op by op on every call."""
+    from eqxshard._sequence import attention
+
+    case = Case("ring")
+    q, k, v, _, _ = inputs(case)
+    mesh = case.mesh()
+    eqxshard.clear_caches()
+    first = eqxshard.context_attention(q, k, v, mesh=mesh)
+    again = eqxshard.context_attention(q, k, v, mesh=mesh)
+    info = attention._program.cache_info()  # noqa: SLF001 - the cache under test
+    assert (info.misses, info.hits, info.currsize) == (1, 1, 1)
+    np.testing.assert_array_equal(first, again)
+    eqxshard.context_attention(
+        q[..., : T // 2, :, :], k[..., : T // 2, :, :], v[..., : T // 2, :, :], mesh=mesh
+    )
+    assert attention._program.cache_info().currsize == 2  # noqa: SLF001
+    eqxshard.clear_caches()
+    assert attention._program.cache_info().currsize == 0  # noqa: SLF001
