@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import io
+import sys
+from collections.abc import Iterator
+from contextlib import redirect_stdout
+from pathlib import Path
+
 
 def print_table(rows: list[tuple[str, ...]], right: set[int]) -> None:
     """Prints `rows` (the first is the header) in aligned columns; the columns in `right`
@@ -15,3 +23,17 @@ def print_table(rows: list[tuple[str, ...]], right: set[int]) -> None:
         print("  ".join(cells).rstrip())
         if k == 0:
             print("  ".join("-" * w for w in widths))
+
+
+@contextlib.contextmanager
+def recorded(out: Path) -> Iterator[None]:
+    """What the block prints, headed by the benchmark's command line and today's date,
+    printed and written to the results file `out` as well."""
+    text = io.StringIO()
+    with redirect_stdout(text):
+        command = " ".join([f"python benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+        print(f"# {command}, {datetime.date.today().isoformat()}")
+        yield
+    print(text.getvalue(), end="")
+    out.write_text(text.getvalue())
+    print(f"-> {out}")

@@ -28,13 +28,9 @@ most about 0.6x), not what an interconnect would add; the bytes carry over.
 from __future__ import annotations
 
 import argparse
-import datetime
-import io
 import os
 import statistics
-import sys
 import time
-from contextlib import redirect_stdout
 from pathlib import Path
 
 import jax
@@ -44,7 +40,7 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
 
 import jax.numpy as jnp  # noqa: E402
 from _compiled import collectives, mib, per_device  # noqa: E402
-from _table import print_table  # noqa: E402
+from _table import print_table, recorded  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
@@ -137,11 +133,8 @@ def main() -> None:
     args = parser.parse_args()
     lengths, repeats = ([1024, 4096], 1) if args.quick else ([8192, 32768], args.repeats)
     lengths = args.lengths or lengths
-    text = io.StringIO()
-    with redirect_stdout(text):
-        now = datetime.date.today().isoformat()
-        command = " ".join(["python benchmarks/context_attention.py", *sys.argv[1:]])
-        print(f"# {command}, {now}")
+    default = RESULTS / f"context_attention_cpu{'_quick' if args.quick else ''}.txt"
+    with recorded(args.out or default):
         print(
             f"jax {jax.__version__}, {jax.device_count()} x {jax.default_backend()}; "
             f"(1, T, H={args.heads}, D={args.dim}) float32, forward + backward; "
@@ -152,10 +145,6 @@ def main() -> None:
         for t in lengths:
             rows += run(t, args.heads, args.dim, repeats, args.fit, not args.no_time)
         print_table(rows, right={0, 2, 3, 4, 5})
-    print(text.getvalue(), end="")
-    out = args.out or RESULTS / f"context_attention_cpu{'_quick' if args.quick else ''}.txt"
-    out.write_text(text.getvalue())
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":

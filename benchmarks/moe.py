@@ -33,15 +33,11 @@ rows carry over.
 from __future__ import annotations
 
 import argparse
-import datetime
-import io
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from contextlib import redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +48,7 @@ if "JAX_NUM_CPU_DEVICES" not in os.environ:
 
 import jax.numpy as jnp  # noqa: E402
 from _compiled import collectives, mib, per_device  # noqa: E402
-from _table import print_table  # noqa: E402
+from _table import print_table, recorded  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqxshard  # noqa: E402
@@ -185,11 +181,8 @@ def main() -> None:
     args = parser.parse_args()
     tokens, repeats = ([1024], 1) if args.quick else ([4096], args.repeats)
     tokens = args.tokens or tokens
-    text = io.StringIO()
-    with redirect_stdout(text):
-        now = datetime.date.today().isoformat()
-        command = " ".join(["python benchmarks/moe.py", *sys.argv[1:]])
-        print(f"# {command}, {now}")
+    default = RESULTS / f"moe_cpu{'_quick' if args.quick else ''}.txt"
+    with recorded(args.out or default):
         print(
             f"jax {jax.__version__}, {jax.device_count()} x {jax.default_backend()}; "
             f"E={args.experts} experts (MLP {args.dim} -> {args.hidden} -> {args.dim}), "
@@ -213,10 +206,6 @@ def main() -> None:
         for n in tokens:
             rows += run(n, args.experts, args.dim, args.hidden, args.top, repeats, not args.no_time)
         print_table(rows, right={0, 2, 3, 4, 5, 6, 7})
-    print(text.getvalue(), end="")
-    out = args.out or RESULTS / f"moe_cpu{'_quick' if args.quick else ''}.txt"
-    out.write_text(text.getvalue())
-    print(f"-> {out}")
 
 
 if __name__ == "__main__":
