@@ -1,9 +1,11 @@
 """`filter_jacfwd`, `filter_jacrev`, `filter_hessian`: Jacobians pushed a chunk of basis
 vectors at a time through one `lax.fori_loop`, optionally split over a mesh.
 
-The three verbs, then the program they share (`_make`): the options checked, the
-basis pushed in chunks (`basis.py`), the programs compiled once per function and
-options (`shared.py`), and the dtypes of the result (`jacobian_dtypes.py`).
+The three verbs, made by one `_verb` from the signature they share (the API page documents
+them from the imported functions: docs/griffe_made_functions.py); then the program they
+share (`_make`): the options checked, the basis pushed in chunks (`basis.py`), the
+programs compiled once per function and options (`shared.py`), and the dtypes of the
+result (`jacobian_dtypes.py`).
 """
 
 from __future__ import annotations
@@ -30,15 +32,31 @@ from .programs import Programs
 from .shared import Slot, shared
 
 
-def filter_jacrev(
-    fun: Callable[..., Any],
-    *,
-    has_aux: bool = False,
-    batch_size: int | str | None = None,
-    memory_budget: int | float | None = None,
-    mesh: Mesh | None = None,
-    axis: str | Sequence[str] | None = None,
-) -> Callable[..., Any]:
+def _verb(name: str, doc: str):  # its return type (the verb, signature included) inferred
+    """The verb `name` (`filter_jacrev`, `filter_jacfwd` or `filter_hessian`) with `doc`:
+    the three take the same options, written once here."""
+
+    def verb(
+        fun: Callable[..., Any],
+        *,
+        has_aux: bool = False,
+        batch_size: int | str | None = None,
+        memory_budget: int | float | None = None,
+        mesh: Mesh | None = None,
+        axis: str | Sequence[str] | None = None,
+    ) -> Callable[..., Any]:
+        if name == "filter_hessian":  # forward over reverse: the inner pass at once
+            fun = _make(name, True, fun, has_aux, None, None, None, None)
+        rev = name == "filter_jacrev"
+        return _make(name, rev, fun, has_aux, batch_size, memory_budget, mesh, axis)
+
+    verb.__name__ = verb.__qualname__ = name
+    verb.__doc__ = doc
+    return verb
+
+
+filter_jacrev = _verb(
+    "filter_jacrev",
     """Computes the Jacobian of `fun` with reverse-mode AD, a chunk of output basis
     vectors at a time: a drop-in for `eqx.filter_jacrev` whose memory is bounded.
 
@@ -110,19 +128,12 @@ def filter_jacrev(
         jac = eqxshard.filter_jacrev(f, batch_size=8)(params, jnp.ones(32))
         assert jac["w"].shape == (64, 64, 32)  # 8 rows at a time, 8 steps
         ```
-    """
-    return _make("filter_jacrev", True, fun, has_aux, batch_size, memory_budget, mesh, axis)
+    """,
+)
 
 
-def filter_jacfwd(
-    fun: Callable[..., Any],
-    *,
-    has_aux: bool = False,
-    batch_size: int | str | None = None,
-    memory_budget: int | float | None = None,
-    mesh: Mesh | None = None,
-    axis: str | Sequence[str] | None = None,
-) -> Callable[..., Any]:
+filter_jacfwd = _verb(
+    "filter_jacfwd",
     """Computes the Jacobian of `fun` with forward-mode AD, a chunk of input basis
     vectors at a time: a drop-in for `eqx.filter_jacfwd` whose memory is bounded.
 
@@ -171,19 +182,12 @@ def filter_jacfwd(
         j = jac(jnp.linspace(0, 1, 256))  # columns split over the 8 devices
         assert j.shape == (256, 256)
         ```
-    """
-    return _make("filter_jacfwd", False, fun, has_aux, batch_size, memory_budget, mesh, axis)
+    """,
+)
 
 
-def filter_hessian(
-    fun: Callable[..., Any],
-    *,
-    has_aux: bool = False,
-    batch_size: int | str | None = None,
-    memory_budget: int | float | None = None,
-    mesh: Mesh | None = None,
-    axis: str | Sequence[str] | None = None,
-) -> Callable[..., Any]:
+filter_hessian = _verb(
+    "filter_hessian",
     """Computes the Hessian of `fun` as forward-over-reverse AD, chunking the outer
     (forward) map: a drop-in for `eqx.filter_hessian` whose memory is bounded.
 
@@ -223,9 +227,8 @@ def filter_hessian(
         hess = eqxshard.filter_hessian(energy, batch_size=4)(jnp.arange(10.0))
         assert hess.shape == (10, 10)
         ```
-    """
-    inner = _make("filter_hessian", True, fun, has_aux, None, None, None, None)
-    return _make("filter_hessian", False, inner, has_aux, batch_size, memory_budget, mesh, axis)
+    """,
+)
 
 
 def _check_options(
