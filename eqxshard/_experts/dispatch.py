@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from .checks import Problem
 
 
-def _rank_within(groups: jax.Array, count: int) -> jax.Array:
+def rank_within(groups: jax.Array, count: int) -> jax.Array:
     """For each entry of `groups` (ints in `[0, count)`), how many earlier entries share
     its group: its place in order within its group."""
     onehot = jax.nn.one_hot(groups, count, dtype=jnp.int32)
@@ -47,8 +47,8 @@ def slot_of(experts: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, jax.A
     dest = experts // p.per_device
     capacity = p.capacity
     if capacity is None:
-        return dest, _rank_within(dest, p.mesh.shape[p.axis]), jnp.ones(dest.shape, bool)
-    rank = _rank_within(experts, p.n_experts)
+        return dest, rank_within(dest, p.mesh.shape[p.axis]), jnp.ones(dest.shape, bool)
+    rank = rank_within(experts, p.n_experts)
     keep = rank < capacity
     return dest, (experts % p.per_device) * capacity + rank, keep
 

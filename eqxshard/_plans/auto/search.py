@@ -114,8 +114,9 @@ def auto_plan(
     - `progress`: show a progress bar (`None`: when standard error is a terminal).
     - `exclude`: what not to weigh, by name (a name or a tuple of them): the dimensions
         `"stage"` (pipeline stages), `"offload"` (optimiser state in host memory),
-        `"remat"` (rematerialised stacks) and `"data_fsdp_tensor"` (every layout without
-        stages), and the layout families `"data"`, `"fsdp"` and `"tensor"` (each layout
+        `"remat"` (rematerialised stacks), `"experts"` (an `expert` axis for the
+        `eqxshard.Experts` of a model), `"context"` (a split sequence) and
+        `"data_fsdp_tensor"` (every layout without stages), and the layout families `"data"`, `"fsdp"` and `"tensor"` (each layout
         with a `data`, `fsdp` or `model` axis). Their rows are not in the table.
     - `cache_dir`: where the figures of each compile are kept across processes (one small
         JSON file each, keyed by the step's jaxpr, the layout and the JAX, jaxlib, backend
