@@ -33,9 +33,7 @@ class MoE(eqx.Module):
         k1, k2 = jax.random.split(key)
         self.router = eqx.nn.Linear(D, E, use_bias=False, key=k1)
         make = lambda k: eqx.nn.MLP(D, D, HIDDEN, 1, key=k)
-        self.experts = eqxshard.Experts(
-            eqx.filter_vmap(make)(jax.random.split(k2, E)), axis=axis
-        )
+        self.experts = eqxshard.Experts(eqx.filter_vmap(make)(jax.random.split(k2, E)), axis=axis)
 
     def __call__(self, x):
         weights, indices = jax.lax.top_k(jax.nn.softmax(jax.vmap(self.router)(x)), 2)
@@ -153,16 +151,22 @@ def test_a_model_without_experts_gets_no_expert_rows():
     model = eqx.nn.MLP(D, D, 16, 1, key=jax.random.key(0))
 
     def mlp_step(model, opt_state, x):
-        value, grads = eqx.filter_value_and_grad(
-            lambda m: jnp.mean((jax.vmap(m)(x) - x) ** 2)
-        )(model)
+        value, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - x) ** 2))(
+            model
+        )
         params = eqx.filter(model, eqx.is_array)
         updates, opt_state = OPTIMISER.update(grads, opt_state, params)
         return eqx.apply_updates(model, updates), opt_state, value
 
     plan = eqxshard.auto_plan(
-        mlp_step, model, BATCH[0], devices=2, budget="1GiB", optimizer=OPTIMISER,
-        progress=False, cache_dir=False,
+        mlp_step,
+        model,
+        BATCH[0],
+        devices=2,
+        budget="1GiB",
+        optimizer=OPTIMISER,
+        progress=False,
+        cache_dir=False,
     )
     assert plan.experts is None
     assert not [c for c in plan.table if "expert" in c.mesh_shape or c.experts]

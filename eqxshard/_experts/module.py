@@ -171,4 +171,3 @@ def configured(tree: Any, *, axis: str | None, mesh: Mesh | AbstractMesh | None)
         return new
 
     return jax.tree.map(rebuilt, tree, is_leaf=is_experts)
-

@@ -65,7 +65,10 @@ class ExpertsRule(Rule):
             )
         before = self._part(self.layers, path, shape[:dim], leaf, mesh, dim)
         after = self._part(self.inner, path, shape[dim + 1 :], leaf, mesh, len(shape) - dim - 1)
-        return PartitionSpec(*before, self.axis, *after)
+        entries = [*before, self.axis, *after]
+        while entries[-1] is None:  # `P("expert")`, not `P("expert", None, None)`
+            entries.pop()
+        return PartitionSpec(*entries)
 
     def _part(
         self, rule: Rule | None, path: Path, shape: tuple, leaf: Any, mesh: Any, ndim: int

@@ -116,8 +116,9 @@ def auto_plan(
         `"stage"` (pipeline stages), `"offload"` (optimiser state in host memory),
         `"remat"` (rematerialised stacks), `"experts"` (an `expert` axis for the
         `eqxshard.Experts` of a model), `"context"` (a split sequence) and
-        `"data_fsdp_tensor"` (every layout without stages), and the layout families `"data"`, `"fsdp"` and `"tensor"` (each layout
-        with a `data`, `fsdp` or `model` axis). Their rows are not in the table.
+        `"data_fsdp_tensor"` (every layout without stages), and the layout families
+        `"data"`, `"fsdp"` and `"tensor"` (each layout with a `data`, `fsdp` or `model`
+        axis). Their rows are not in the table.
     - `cache_dir`: where the figures of each compile are kept across processes (one small
         JSON file each, keyed by the step's jaxpr, the layout and the JAX, jaxlib, backend
         and eqxshard versions):

@@ -136,7 +136,8 @@ def _laid_out(search: Search, problem: Problem, layout: Layout) -> jobs.Job:
     traced = search.traced
     mesh = mesh_for(layout.shape, traced.available)
     try:
-        placed = step_arguments(problem, mesh, layout.rules, problem.batch, batch_spec(layout.shape))
+        spec = batch_spec(layout.shape)
+        placed = step_arguments(problem, mesh, layout.rules, problem.batch, spec)
     except (ValueError, TypeError) as e:
         return jobs.Job(layout, {}, rejected=" ".join(str(e).split())[:300])
     placed = dataclasses.replace(placed, mesh_set=mesh)
