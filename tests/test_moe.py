@@ -312,7 +312,7 @@ def test_fsdp_within_each_experts_weights():
     rule = eqxshard.experts("expert", inner=eqxshard.fsdp("fsdp", min_size=0))
     layer = eqxshard.filter_shard(eqxshard.Experts(experts, mesh=mesh), mesh, rule)
     blocks = layer.expert_blocks
-    assert blocks.layers[0].weight.sharding.spec == P("expert", "fsdp", None)
+    assert blocks.layers[0].weight.sharding.spec == P("expert", "fsdp")
     assert blocks.layers[1].weight.sharding.spec == P("expert", None, "fsdp")
     assert blocks.layers[1].bias.sharding.spec == P("expert", "fsdp")
     assert "P('expert', 'fsdp', None)" in str(eqxshard.describe(layer, mesh, rule))

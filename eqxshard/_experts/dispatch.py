@@ -97,8 +97,10 @@ def run_experts(
         params_i, i = xs
         return jnp.where((which == i)[:, None], one(params_i, flat), acc), None
 
-    shape = jax.eval_shape(one, jax.tree.map(lambda a: a[0], params), flat)
-    acc = jnp.zeros(shape.shape, shape.dtype)
+    # The carry starts as zeros that vary over the mesh axes one expert's output does
+    # (its rows' and its weights', an outer `shard_map`'s too); the compiler drops the
+    # expert run that gives them their type.
+    acc = jnp.zeros_like(one(jax.tree.map(lambda a: a[0], params), flat))
     out = jax.lax.scan(step, acc, (params, jnp.arange(p.per_device)))[0]
     return out.reshape(a, rows, -1)
 

@@ -46,7 +46,7 @@ def _build(expert: Callable[..., Any], static: Any, p: Problem) -> Callable[...,
             in_specs=(specs, tokens, tokens, tokens),
             out_specs=(tokens, PartitionSpec()),
             axis_names=frozenset(p.token_axes),
-            check_vma=False,
+            check_vma=True,
         )
         return mapped(params, x, indices, weights)
 

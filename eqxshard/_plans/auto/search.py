@@ -69,7 +69,10 @@ def auto_plan(
     mesh. The batch's leading dim is split over the `data` and `fsdp` axes. A step that
     calls `filter_pipeline` itself (without `mesh=`) is planned on the meshes with its own
     stage axis only, the leaves it pipelines split over it (`Plan.pipeline` then has
-    `"in_step": True`, and `plan.jit(step)` runs the step with the plan's mesh set).
+    `"in_step": True`, and `plan.jit(step)` runs the step with the plan's mesh set). A
+    model holding `eqxshard.Experts` is weighed with them unsplit on those meshes, and
+    with an `expert` axis (alone, or beside `data` or `fsdp`) that splits them
+    (`Plan.experts`; each row says what the split saves and what the dispatch sends).
 
     Each candidate's step is compiled (`jax.jit(...).lower(...).compile()`, nothing
     allocated) and measured: bytes per device from `memory_analysis()` (split into

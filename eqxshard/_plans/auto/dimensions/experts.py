@@ -109,6 +109,8 @@ class ExpertParallel(Dimension):
         problem_key = ProblemKey((traced.problem_key.key, AXIS))
         todo, left_out = [], []
         for layout, why in layouts(traced.devices, counts, traced.batch_size):
+            if any(axis in traced.exclude for axis in layout.shape):  # `exclude=("fsdp",)`
+                continue
             if traced.devices > traced.reach:
                 why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
             if why:
