@@ -29,7 +29,7 @@ class MoE(eqx.Module):
     router: eqx.nn.Linear
     experts: eqxshard.Experts
 
-    def __init__(self, key, axis="expert"):
+    def __init__(self, key, axis: str | None = "expert"):
         k1, k2 = jax.random.split(key)
         self.router = eqx.nn.Linear(D, E, use_bias=False, key=k1)
         make = lambda k: eqx.nn.MLP(D, D, HIDDEN, 1, key=k)

@@ -225,3 +225,37 @@ def test_inner_and_layers_lay_out_the_experts_other_dims(model):
     assert weight.sharding.spec == P("stage", "expert")
     assert "P('stage', 'expert')" in str(eqxshard.describe(model, mesh, rule))
     assert repr(rule).startswith("experts(axis='expert', layers=stages(axis='stage'")
+
+
+def test_a_pipeline_of_moe_layers(model, data):
+    # The `Stacked` of MoE layers pipelined over 'stage' (one layer a stage), each layer's
+    # experts split over 'expert' within its stage: `experts(layers=stages(...))` lays out
+    # the expert leaves `P("stage", "expert")`, `stages(path=...)` the layers' other
+    # leaves. Inside a stage the tokens are split over 'expert' (the stage axis is the
+    # pipeline's), and the output is one device's.
+    from eqxshard._experts.module import configured
+
+    mesh = jax.make_mesh((2, 4), ("stage", "expert"), axis_types=AUTO)
+    piped = eqx.tree_at(
+        lambda m: m.layers,
+        model,
+        eqxshard.Stacked(model.layers.blocks, axis="stage", microbatches=2),
+    )
+    rule = eqxshard.first(
+        eqxshard.experts("expert", layers=eqxshard.stages("stage")),
+        eqxshard.stages("stage", path=r"layers\.blocks\..*"),
+        P(),
+    )
+    placed = eqxshard.filter_shard(piped, mesh, rule)
+    blocks = placed.layers.blocks
+    assert blocks.experts.expert_blocks.layers[0].weight.sharding.spec == P("stage", "expert")
+    assert blocks.router.weight.sharding.spec == P("stage")
+    table = str(eqxshard.describe(piped, mesh, rule))
+    assert "P('stage', 'expert')" in table and "P('stage')" in table
+    x, _ = data
+    with jax.set_mesh(mesh):
+        y = eqxshard.filter_jit(lambda m, x: m(x))(placed, x)
+    unsplit = configured(model, axis=None, mesh=None)
+    np.testing.assert_allclose(
+        y, eqx.filter_jit(lambda m, x: m(x))(unsplit, x), rtol=1e-5, atol=1e-6
+    )
