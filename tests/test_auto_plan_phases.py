@@ -66,6 +66,7 @@ def test_the_registry_holds_the_known_dimensions_each_a_dimension():
         "offload",
         "remat",
         "context",
+        "experts",
     ]
     hooks = ("propose", "cost", "choices", "scale", "refine", "explain")
     for d in registry.DIMENSIONS:

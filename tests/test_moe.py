@@ -301,3 +301,38 @@ def test_a_model_axis_inside_the_experts_stays_with_the_compiler():
     _close(f(params, x, weights), y_ref)
     text = f.lower(params, x, weights).compile().as_text() or ""
     assert "all-gather" not in text and "all-to-all(" in text and "all-reduce(" in text
+
+
+def test_fsdp_within_each_experts_weights():
+    # (fsdp=2, expert=4): each expert's weights also split over 'fsdp' on their largest
+    # dim (`experts(inner=fsdp(...))`), the tokens over both axes. Each device gathers its
+    # own 2 experts' halves from its 'fsdp' partner, never another device's experts.
+    experts, x, indices, weights, y_ref, grads_ref = case(8, 2)
+    mesh = jax.make_mesh((2, 4), ("fsdp", "expert"), axis_types=(AxisType.Auto,) * 2)
+    rule = eqxshard.experts("expert", inner=eqxshard.fsdp("fsdp", min_size=0))
+    layer = eqxshard.filter_shard(eqxshard.Experts(experts, mesh=mesh), mesh, rule)
+    blocks = layer.expert_blocks
+    assert blocks.layers[0].weight.sharding.spec == P("expert", "fsdp")
+    assert blocks.layers[1].weight.sharding.spec == P("expert", None, "fsdp")
+    assert blocks.layers[1].bias.sharding.spec == P("expert", "fsdp")
+    assert "P('expert', None, 'fsdp')" in str(eqxshard.describe(layer, mesh, rule))
+    params, static = eqx.partition(blocks, eqx.is_array)
+
+    def fn(ex, x, i, w):
+        return eqxshard.moe(per_token, ex, x, i, w, mesh=mesh)
+
+    _close(fn(blocks, x, indices, weights), y_ref)
+    step = jax.jit(jax.value_and_grad(loss_of(fn, static, indices), argnums=(0, 1, 2)))
+    _close(step(params, x, weights)[1], grads_ref)
+    text = step.lower(params, x, weights).compile().as_text() or ""
+    assert "all-to-all(" in text
+    gathers = [line for line in text.splitlines() if re.search(r"= .*all-gather(-start)?\(", line)]
+    assert gathers  # the 'fsdp' halves
+    for line in gathers:
+        # Each gathers one device's 2 experts (leading dim 2 = E/A), between the two
+        # devices of an 'fsdp' pair: device d with d + 4 (groups [4,2] of the transposed
+        # (2, 4) mesh), never along 'expert'.
+        assert re.search(r"= f32\[2,", line), line
+        assert "replica_groups=[4,2]<=[2,4]T(1,0)" in line or "{0,4}" in line, line
+    collectives = re.findall(r"= (.*?)(?:all-reduce|all-to-all|all-gather)", text)
+    assert not [c for c in collectives if re.search(r"f32\[8,(16,8|8,16)\]", c)]

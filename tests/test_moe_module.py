@@ -192,3 +192,70 @@ def test_experts_checks_its_arguments(layer):
         eqxshard.Experts(blocks, 3)  # pyright: ignore[reportArgumentType]
     with pytest.raises(TypeError, match=r"`axis` as a mesh axis name"):
         eqxshard.Experts(blocks, axis=0)  # pyright: ignore[reportArgumentType]
+
+
+def test_unsplit_experts_run_every_expert_on_every_token(mesh, data, layer):
+    # `axis=None`: no mesh, no dispatch; the values of the split layer, and GShard's
+    # capacity over the N tokens as one group.
+    x, _ = data
+    weights, indices = jax.lax.top_k(jax.nn.softmax(x @ jnp.ones((D, E))), 2)
+    split = eqxshard.Experts(layer.expert_blocks, mesh=mesh)
+    split = eqxshard.filter_shard(split, mesh, eqxshard.experts())
+    unsplit = eqxshard.Experts(layer.expert_blocks, axis=None)
+    y = eqx.filter_jit(lambda m: m(x, indices, weights))(unsplit)
+    np.testing.assert_allclose(y, split(x, indices, weights), rtol=1e-6, atol=1e-6)
+    # A flat router: every token picks experts 0 and 1; capacity ceil(1.0 * 32 * 2 / 8) = 8
+    # keeps the first 8 tokens' choices.
+    capped = eqxshard.Experts(layer.expert_blocks, axis=None, capacity_factor=1.0)
+    y_capped, dropped = capped(x, indices, weights, return_dropped=True)
+    assert int(dropped) == 2 * (N - 8)
+    np.testing.assert_allclose(y_capped[:8], y[:8], rtol=1e-6, atol=1e-6)
+    assert not np.asarray(y_capped[8:]).any()
+    with pytest.raises(TypeError, match=r"`axis` as a mesh axis name, or None"):
+        eqxshard.Experts(layer.expert_blocks, axis=("expert",))  # pyright: ignore[reportArgumentType]
+
+
+def test_inner_and_layers_lay_out_the_experts_other_dims(model):
+    mesh = jax.make_mesh((2, 4), ("stage", "expert"), axis_types=AUTO)
+    with pytest.raises(ValueError, match=r"`inner` or `layers` rule that lays these leaves out"):
+        eqxshard.filter_shard(model, mesh, eqxshard.experts(inner=P("expert")) | P())
+    rule = eqxshard.experts("expert", layers=eqxshard.stages("stage")) | P()
+    placed = eqxshard.filter_shard(model, mesh, rule)
+    weight = placed.layers.blocks.experts.expert_blocks.layers[0].weight
+    assert weight.sharding.spec == P("stage", "expert")
+    assert "P('stage', 'expert')" in str(eqxshard.describe(model, mesh, rule))
+    assert repr(rule).startswith("experts(axis='expert', layers=stages(axis='stage'")
+
+
+def test_a_pipeline_of_moe_layers(model, data):
+    # The `Stacked` of MoE layers pipelined over 'stage' (one layer a stage), each layer's
+    # experts split over 'expert' within its stage: `experts(layers=stages(...))` lays out
+    # the expert leaves `P("stage", "expert")`, `stages(path=...)` the layers' other
+    # leaves. Inside a stage the tokens are split over 'expert' (the stage axis is the
+    # pipeline's), and the output is one device's.
+    from eqxshard._experts.module import configured
+
+    mesh = jax.make_mesh((2, 4), ("stage", "expert"), axis_types=AUTO)
+    piped = eqx.tree_at(
+        lambda m: m.layers,
+        model,
+        eqxshard.Stacked(model.layers.blocks, axis="stage", microbatches=2),
+    )
+    rule = eqxshard.first(
+        eqxshard.experts("expert", layers=eqxshard.stages("stage")),
+        eqxshard.stages("stage", path=r"layers\.blocks\..*"),
+        P(),
+    )
+    placed = eqxshard.filter_shard(piped, mesh, rule)
+    blocks = placed.layers.blocks
+    assert blocks.experts.expert_blocks.layers[0].weight.sharding.spec == P("stage", "expert")
+    assert blocks.router.weight.sharding.spec == P("stage")
+    table = str(eqxshard.describe(piped, mesh, rule))
+    assert "P('stage', 'expert')" in table and "P('stage')" in table
+    x, _ = data
+    with jax.set_mesh(mesh):
+        y = eqxshard.filter_jit(lambda m, x: m(x))(placed, x)
+    unsplit = configured(model, axis=None, mesh=None)
+    np.testing.assert_allclose(
+        y, eqx.filter_jit(lambda m, x: m(x))(unsplit, x), rtol=1e-5, atol=1e-6
+    )

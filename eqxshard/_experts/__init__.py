@@ -6,7 +6,10 @@ each token's activations sent to its experts' devices and back.
 - `dispatch`: what each device runs inside it (pack per destination, `all_to_all`, the
     local experts, `all_to_all` back, combine), dropless or with GShard's capacity.
 - `checks`: the arguments checked before anything runs, read into a `Problem`.
-- `module`: `Experts`, the Equinox module holding a layer's experts.
+- `unsplit`: the experts of an `Experts(axis=None)`, every expert on every token, no
+    mesh (what `auto_plan` weighs on meshes without an expert axis).
+- `module`: `Experts`, the Equinox module holding a layer's experts, and `configured`
+    (every `Experts` of a tree set to an axis and mesh: `Plan.apply`, `auto_plan`).
 
 Imports: `eqxshard._compat`, `eqxshard._tree`, `eqxshard._caches` and this folder. It sits
 on layer 3 beside `_pipeline` (siblings, neither importing the other), below `_plans`

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 from .. import _compat
 from .._tree import leading_dim, leaf_error, shape_str
@@ -89,8 +89,9 @@ def _mesh(mesh: Any, verb: str) -> Mesh | AbstractMesh:
 
 def _token_axes(data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str) -> tuple[str, ...]:
     names = tuple(mesh.axis_names)
-    if data_axes is None:
-        return names
+    if data_axes is None:  # every axis not already manual (an outer `shard_map`'s, a stage's)
+        types = _compat.axis_type_map(mesh)
+        return tuple(a for a in names if a == axis or types[a] != AxisType.Manual)
     given = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     missing = [a for a in given if a not in names or a == axis]
     if missing or not all(isinstance(a, str) for a in given):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from .checks import Problem
 
 
-def _rank_within(groups: jax.Array, count: int) -> jax.Array:
+def rank_within(groups: jax.Array, count: int) -> jax.Array:
     """For each entry of `groups` (ints in `[0, count)`), how many earlier entries share
     its group: its place in order within its group."""
     onehot = jax.nn.one_hot(groups, count, dtype=jnp.int32)
@@ -47,8 +47,8 @@ def slot_of(experts: jax.Array, p: Problem) -> tuple[jax.Array, jax.Array, jax.A
     dest = experts // p.per_device
     capacity = p.capacity
     if capacity is None:
-        return dest, _rank_within(dest, p.mesh.shape[p.axis]), jnp.ones(dest.shape, bool)
-    rank = _rank_within(experts, p.n_experts)
+        return dest, rank_within(dest, p.mesh.shape[p.axis]), jnp.ones(dest.shape, bool)
+    rank = rank_within(experts, p.n_experts)
     keep = rank < capacity
     return dest, (experts % p.per_device) * capacity + rank, keep
 
@@ -97,8 +97,10 @@ def run_experts(
         params_i, i = xs
         return jnp.where((which == i)[:, None], one(params_i, flat), acc), None
 
-    shape = jax.eval_shape(one, jax.tree.map(lambda a: a[0], params), flat)
-    acc = jnp.zeros(shape.shape, shape.dtype)
+    # The carry starts as zeros that vary over the mesh axes one expert's output does
+    # (its rows' and its weights', an outer `shard_map`'s too); the compiler drops the
+    # expert run that gives them their type.
+    acc = jnp.zeros_like(one(jax.tree.map(lambda a: a[0], params), flat))
     out = jax.lax.scan(step, acc, (params, jnp.arange(p.per_device)))[0]
     return out.reshape(a, rows, -1)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from jax.sharding import AbstractMesh, Mesh
 
 from .checks import check_capacity_factor, expert_count
 from .moe import moe
+from .unsplit import unsplit
 
 FIELD = "expert_blocks"
 """The field of `Experts` that holds the stacked experts: the `experts` rule splits the
@@ -46,7 +48,11 @@ class Experts(eqx.Module):
         `None` (default) for blocks that are Equinox modules applying to one token,
         `jax.vmap(block)(h)`. Pass a module-level function (not a new lambda per call),
         so that `moe`'s compiled programs are reused.
-    - `axis`: the mesh axis the experts are laid out over (default `"expert"`).
+    - `axis`: the mesh axis the experts are laid out over (default `"expert"`), or `None`:
+        laid out over no axis, every expert run on every token where the tokens are
+        (`E` times one expert's work, and no mesh needed; with a `capacity_factor`, the
+        `N` tokens of a call are one group). `auto_plan` weighs this for the layouts
+        without an expert axis, and a `Plan` without `experts` sets it.
     - `data_axes`: the other mesh axes the tokens are split over; `None` (default) for
         every other axis (see `moe`).
     - `capacity_factor`: `None` (default, dropless) or GShard's capacity factor (see
@@ -57,7 +63,7 @@ class Experts(eqx.Module):
 
     - `ValueError`: if the array leaves of `blocks` disagree on `E` (each listed), or
         `capacity_factor` is not a number > 0.
-    - `TypeError`: if `axis` is not a string, or `expert` not callable.
+    - `TypeError`: if `axis` is not a string or `None`, or `expert` not callable.
 
     Calling it raises what `moe` raises.
 
@@ -81,7 +87,7 @@ class Experts(eqx.Module):
 
     expert_blocks: Any
     expert: Callable[[Any, jax.Array], jax.Array] | None = eqx.field(static=True)
-    axis: str = eqx.field(static=True)
+    axis: str | None = eqx.field(static=True)
     data_axes: str | tuple[str, ...] | None = eqx.field(static=True)
     capacity_factor: float | None = eqx.field(static=True)
     mesh: Mesh | AbstractMesh | None = eqx.field(static=True)
@@ -91,14 +97,16 @@ class Experts(eqx.Module):
         blocks: Any,
         expert: Callable[[Any, jax.Array], jax.Array] | None = None,
         *,
-        axis: str = "expert",
+        axis: str | None = "expert",
         data_axes: str | tuple[str, ...] | None = None,
         capacity_factor: float | None = None,
         mesh: Mesh | AbstractMesh | None = None,
     ):
         expert_count(blocks, "Experts")
-        if not isinstance(axis, str):
-            raise TypeError(f"`Experts` takes `axis` as a mesh axis name, but got {axis!r}.")
+        if axis is not None and not isinstance(axis, str):
+            raise TypeError(
+                f"`Experts` takes `axis` as a mesh axis name, or None, but got {axis!r}."
+            )
         if expert is not None and not callable(expert):
             raise TypeError(
                 f"`Experts` takes `expert` as a function `expert(block, h)`, or None, but got "
@@ -125,8 +133,14 @@ class Experts(eqx.Module):
         """`moe` on these experts: tokens `x` `(N, D)`, each token's experts `indices`
         `(N, k)` and combine `weights` `(N, k)`. Returns `y` `(N, D_out)`, or
         `(y, dropped)` with `return_dropped`."""
+        expert = self.expert if self.expert is not None else per_token
+        if self.axis is None:
+            y, dropped = unsplit(
+                expert, self.expert_blocks, x, indices, weights, self.capacity_factor
+            )
+            return (y, dropped) if return_dropped else y
         return moe(
-            self.expert if self.expert is not None else per_token,
+            expert,
             self.expert_blocks,
             x,
             indices,
@@ -137,3 +151,23 @@ class Experts(eqx.Module):
             capacity_factor=self.capacity_factor,
             return_dropped=return_dropped,
         )
+
+
+def configured(tree: Any, *, axis: str | None, mesh: Mesh | AbstractMesh | None) -> Any:
+    """`tree` (a model, or an optimiser state shaped like one) with every `Experts` in it
+    set to lay out its experts over `axis` of `mesh` (`axis=None`: over none); `tree`
+    itself when it holds no `Experts`. Its array leaves are the same objects."""
+    is_experts = lambda x: isinstance(x, Experts)
+    if not any(is_experts(x) for x in jax.tree.leaves(tree, is_leaf=is_experts)):
+        return tree
+
+    def rebuilt(x: Any) -> Any:
+        if not is_experts(x):
+            return x
+        new = object.__new__(type(x))
+        for f in dataclasses.fields(x):
+            value = {"axis": axis, "mesh": mesh}.get(f.name, getattr(x, f.name))
+            object.__setattr__(new, f.name, value)
+        return new
+
+    return jax.tree.map(rebuilt, tree, is_leaf=is_experts)

@@ -46,7 +46,7 @@ def _build(expert: Callable[..., Any], static: Any, p: Problem) -> Callable[...,
             in_specs=(specs, tokens, tokens, tokens),
             out_specs=(tokens, PartitionSpec()),
             axis_names=frozenset(p.token_axes),
-            check_vma=False,
+            check_vma=True,
         )
         return mapped(params, x, indices, weights)
 
@@ -121,7 +121,8 @@ def moe(
         axes both work.
     - `axis`: the mesh axis the experts are laid out over (default `"expert"`).
     - `data_axes`: the other mesh axes the tokens are split over: a name, a tuple, or
-        `None` (default) for every other axis of the mesh. Axes left out (a `"model"`
+        `None` (default) for every other axis of the mesh not already manual (inside a
+        pipeline's stage, every axis but the stage axis). Axes left out (a `"model"`
         axis inside each expert) stay with the compiler, which lays out the experts'
         other dims as their shardings say.
     - `capacity_factor`: `None` (default) for dropless, or a number `c > 0` for GShard's

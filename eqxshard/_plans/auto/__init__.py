@@ -13,7 +13,7 @@ passing the next a named record:
   factorisations and rule families; `tensor_parallel`: the TP rule from the model's
   shapes), `stage/` (a pipeline's stage axis), `offload` (optimiser state in host
   memory), `remat/` (remat policies for `Stacked` layers), `context` (the sequence split
-  over a `context` axis).
+  over a `context` axis), `experts` (a model's `Experts` split over an `expert` axis).
 - `measure/`: each layout compiled and read (`phase.measure` -> `Search`): `jobs` (laid
   out, compiled here or in a subprocess: `compile_remote`, `compile_worker`), `compiled`
   (the step as compiled, its `Measurement`), `collectives` and `host_memory` (read from

@@ -42,6 +42,8 @@ class Candidate:
     - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
     - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
         over that axis, the model's attention converted by `context_parallel`.
+    - `experts`: `None`, or `{"axis": "expert"}`: each `eqxshard.Experts` of the model
+        laid out over that axis (expert parallelism); `None`: run unsplit.
     - `choice_note`, `budget_note`: before ranking, what a refined row chose (remat
         full on a stack, say) and how it stands against the budget (`"fits with 1.2 MiB
         to spare"`, `"still 3.0 KiB over"`), said before the rest of its `reason`;
@@ -69,6 +71,7 @@ class Candidate:
     remat: dict[str, str] = dataclasses.field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
     context: dict[str, str] | None = None
+    experts: dict[str, str] | None = None
     choice_note: str = ""
     budget_note: str = ""
 

@@ -84,3 +84,16 @@ def check_context(context: Any) -> dict[str, str] | None:
             f"'strategy': 'ring'}}`), but got {context!r}."
         )
     return dict(context)
+
+
+def check_experts(experts: Any) -> dict[str, str] | None:
+    """A plan's `experts` as stored; raises for any bad value."""
+    if experts is None:
+        return None
+    good = isinstance(experts, dict) and set(experts) == {"axis"}
+    if not (good and isinstance(experts["axis"], str)):
+        raise ValueError(
+            "`Plan` takes `experts` as None or a dict {'axis': mesh axis name} (e.g. "
+            f"`{{'axis': 'expert'}}`), but got {experts!r}."
+        )
+    return dict(experts)

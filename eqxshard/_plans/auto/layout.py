@@ -31,8 +31,9 @@ class Layout:
 
 
 def batch_axes(shape: dict[str, int]) -> tuple[str, ...]:
-    """The axes of `shape` the batch's leading dim is split over."""
-    return tuple(a for a in ("data", "fsdp") if a in shape)
+    """The axes of `shape` the batch's leading dim is split over (an `expert` axis too:
+    outside the experts, its devices run the model data-parallel)."""
+    return tuple(a for a in ("data", "fsdp", "expert") if a in shape)
 
 
 def batch_spec(shape: dict[str, int]) -> P:

@@ -13,6 +13,7 @@ import jax
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec
 
 from ..._compat import spec_str
+from ..._experts.module import configured as configured_experts
 from ..._placement.shard import filter_shard
 from ..._sequence.parallel import convert
 from ..._tree import format_bytes
@@ -54,12 +55,17 @@ class Plan:
         over that mesh axis; `apply`, `shard` and `init` convert the model's (and the
         optimiser state's) `eqx.nn.MultiheadAttention` layers by `context_parallel`, and
         `batch_spec` splits every batch leaf's dim 1 (the sequence) over it.
+    - `experts`: `None`, or `{"axis": "expert"}`: each `eqxshard.Experts` of the model
+        (and of the optimiser state) lays out its experts over that mesh axis (`apply`,
+        `shard` and `init` set its `axis` and `mesh`), the tokens dispatched to them by
+        `moe`; with `None`, a model's `Experts` are set to run unsplit (`axis=None`), as
+        `auto_plan` weighed the layouts without an expert axis.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
     an equal plan (without the table): paste it into the training script on the
     cluster. Two plans are equal when they choose the same (mesh shape, rules, batch
-    spec, budget, remat, offload, pipeline).
+    spec, budget, remat, offload, pipeline, context, experts).
     """
 
     mesh: Mesh | AbstractMesh
@@ -71,6 +77,7 @@ class Plan:
     offload: tuple[str, ...]
     pipeline: Pipeline | None
     context: dict[str, str] | None
+    experts: dict[str, str] | None
 
     def __init__(
         self,
@@ -83,6 +90,7 @@ class Plan:
         offload: tuple[str, ...] = (),
         pipeline: Pipeline | dict[str, Any] | None = None,
         context: dict[str, str] | None = None,
+        experts: dict[str, str] | None = None,
     ):
         if isinstance(mesh, dict):
             mesh = mesh_for(mesh)
@@ -104,6 +112,7 @@ class Plan:
             offload=offload,
             pipeline=pipeline,
             context=choices.check_context(context),
+            experts=choices.check_experts(experts),
         )
         for name, value in values.items():
             object.__setattr__(self, name, value)
@@ -118,6 +127,7 @@ class Plan:
             self.offload,
             self.pipeline,
             self.context,
+            self.experts,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -188,7 +198,10 @@ class Plan:
         return self._converted(model, mesh)
 
     def _converted(self, tree: Any, mesh: Mesh) -> Any:
-        """`tree` with its attention converted by the plan's `context` (if any)."""
+        """`tree` with its `Experts` set to the plan's `experts`, and its attention
+        converted by the plan's `context` (if any)."""
+        axis = None if self.experts is None else self.experts["axis"]
+        tree = configured_experts(tree, axis=axis, mesh=None if axis is None else mesh)
         if self.context is None or tree is None:
             return tree
         return convert(tree, **self.context, causal=False, mesh=mesh)[0]
@@ -288,7 +301,8 @@ class Plan:
         plan's choices (the `remat` policy its path is given, and with a `pipeline`, its
         layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
         `repeats=1`, circular above), its `eqx.nn.MultiheadAttention` layers converted
-        by `context_parallel` with a `context`, then its array leaves placed by
+        by `context_parallel` with a `context`, its `Experts` set to the plan's `experts`
+        (their `axis` and `mesh`; unsplit without), then its array leaves placed by
         `plan.rules` over `plan.mesh`. A plan without such choices only places the model.
         `shard` lays out the optimiser state and the batch too (its model is this one).
 
@@ -325,6 +339,7 @@ class Plan:
             f"offload {', '.join(self.offload)}" if self.offload else "",
             f"pipeline over {self.pipeline.axis!r}" if self.pipeline else "",
             f"sequence over {self.context['axis']!r}" if self.context else "",
+            f"experts over {self.experts['axis']!r}" if self.experts else "",
         ]
         said = "".join(f", {m}" for m in more if m)
         return (
@@ -343,7 +358,8 @@ class Plan:
             f"Plan(mesh={dict(self.mesh.shape)!r}, rules={self._rules_repr()}, "
             f"batch_spec={spec_str(self.batch_spec)}, budget={self.budget!r}, "
             f"remat={self.remat!r}, offload={self.offload!r}, pipeline={self.pipeline!r}"
-            + (f", context={self.context!r})" if self.context is not None else ")")
+            + (f", context={self.context!r}" if self.context is not None else "")
+            + (f", experts={self.experts!r})" if self.experts is not None else ")")
         )
 
     def _rules_repr(self) -> str:

@@ -69,7 +69,10 @@ def auto_plan(
     mesh. The batch's leading dim is split over the `data` and `fsdp` axes. A step that
     calls `filter_pipeline` itself (without `mesh=`) is planned on the meshes with its own
     stage axis only, the leaves it pipelines split over it (`Plan.pipeline` then has
-    `"in_step": True`, and `plan.jit(step)` runs the step with the plan's mesh set).
+    `"in_step": True`, and `plan.jit(step)` runs the step with the plan's mesh set). A
+    model holding `eqxshard.Experts` is weighed with them unsplit on those meshes, and
+    with an `expert` axis (alone, or beside `data` or `fsdp`) that splits them
+    (`Plan.experts`; each row says what the split saves and what the dispatch sends).
 
     Each candidate's step is compiled (`jax.jit(...).lower(...).compile()`, nothing
     allocated) and measured: bytes per device from `memory_analysis()` (split into
@@ -114,9 +117,11 @@ def auto_plan(
     - `progress`: show a progress bar (`None`: when standard error is a terminal).
     - `exclude`: what not to weigh, by name (a name or a tuple of them): the dimensions
         `"stage"` (pipeline stages), `"offload"` (optimiser state in host memory),
-        `"remat"` (rematerialised stacks) and `"data_fsdp_tensor"` (every layout without
-        stages), and the layout families `"data"`, `"fsdp"` and `"tensor"` (each layout
-        with a `data`, `fsdp` or `model` axis). Their rows are not in the table.
+        `"remat"` (rematerialised stacks), `"experts"` (an `expert` axis for the
+        `eqxshard.Experts` of a model), `"context"` (a split sequence) and
+        `"data_fsdp_tensor"` (every layout without stages), and the layout families
+        `"data"`, `"fsdp"` and `"tensor"` (each layout with a `data`, `fsdp` or `model`
+        axis). Their rows are not in the table.
     - `cache_dir`: where the figures of each compile are kept across processes (one small
         JSON file each, keyed by the step's jaxpr, the layout and the JAX, jaxlib, backend
         and eqxshard versions):

@@ -10,7 +10,8 @@
 - `remat/`: remat policies for the model's `Stacked` layers.
 - `context`: the sequence split over a `context` axis (`context_parallel`), weighed as a
   refinement of the measured layouts.
+- `experts`: the `Experts` of a model split over an `expert` axis (expert parallelism),
+  weighed as a refinement too.
 
-A new dimension (experts, say) is a module with a `Dimension` subclass and a line
-in `registry`.
+A new dimension is a module with a `Dimension` subclass and a line in `registry`.
 """

@@ -15,11 +15,19 @@ from typing import Any
 from .base import Dimension
 from .context import Context
 from .data_fsdp_tensor import DataFsdpTensor
+from .experts import ExpertParallel
 from .offload import Offload
 from .remat.dimension import Remat
 from .stage.dimension import Stage
 
-DIMENSIONS: tuple[Dimension, ...] = (DataFsdpTensor(), Stage(), Offload(), Remat(), Context())
+DIMENSIONS: tuple[Dimension, ...] = (
+    DataFsdpTensor(),
+    Stage(),
+    Offload(),
+    Remat(),
+    Context(),
+    ExpertParallel(),
+)
 
 # The layout families `exclude=` may name, by the mesh axis each adds: a layout with that
 # axis (of more than one device) is left out.

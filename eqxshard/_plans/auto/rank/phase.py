@@ -30,4 +30,5 @@ def rank(search: Search) -> Plan:
         remat=chosen.remat,
         pipeline=of_options(chosen.pipeline),
         context=chosen.context,
+        experts=chosen.experts,
     )

@@ -12,6 +12,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
+from ...._experts.module import configured
 from ...._pipeline.stacked.configure import stacks
 from ...._tree import is_array_like
 from ..links import Link
@@ -87,7 +88,9 @@ def trace(
     arguments.check_options(optimizer, flops_per_second, rules, compile_limit)
     node = topology.check_devices_per_node(devices_per_node, n)
     where = folder(cache_dir)
-    model_abs = abstract(model)
+    # Its `Experts` unsplit (no mesh needed): the expert dimension lays them out over an
+    # `expert` axis on its own meshes, and every other layout runs them so.
+    model_abs = configured(abstract(model), axis=None, mesh=None)
     batch_abs = abstract(batch)
     size = arguments.batch_size(batch_abs)
     opt_abs = None
