@@ -23,11 +23,12 @@ from .ulysses import ulysses_attention
 def _per_device(problem: checks.Problem) -> Any:
     """The strategy's per-device function on 5-dim queries `(B, Tq, G, R, Dk)`."""
     axis, size, causal, scale = problem.axis, problem.size, problem.causal, problem.scale
+    dropout = problem.dropout_p
     if problem.strategy == "ring":
-        return ft.partial(ring_attention, Ring(axis, size, causal, scale))
+        return ft.partial(ring_attention, Ring(axis, size, causal, scale, dropout))
     if problem.strategy == "all_gather":
-        return ft.partial(gather_attention, axis, causal, scale)
-    return ft.partial(ulysses_attention, axis, size, causal, scale)
+        return ft.partial(gather_attention, axis, causal, scale, dropout)
+    return ft.partial(ulysses_attention, axis, size, causal, scale, dropout)
 
 
 def _batched(x: Any, problem: checks.Problem, dims: int) -> Any:
@@ -50,15 +51,18 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
     """The whole computation, jitted: called eagerly it runs as one program (a
     `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
     run = _per_device(problem)
-    groups, axis = problem.key_heads, problem.axis
+    groups, axis, heads = problem.key_heads // problem.heads_size, problem.axis, problem.heads_axis
 
-    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
+    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any, mapped: Any) -> Any:
         b, t, h, dk = q.shape
-        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg)
+        if key is not None:  # each device of the other mapped axes draws its own bits
+            for name in mapped:
+                key = jax.random.fold_in(key, jax.lax.axis_index(name))
+        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg, key)
         return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
 
     @jax.jit
-    def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any) -> Any:
+    def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any, drop: Any) -> Any:
         args = (
             _batched(query, problem, 3),
             _batched(key, problem, 3),
@@ -68,15 +72,22 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         )
         batch = _batch_axes(args[0], mesh, axis)
         split = PartitionSpec(batch[0] if len(batch) == 1 else batch or None, axis)
-        args = _laid_out(args, mesh, split)
-        mapped = jax.shard_map(
-            per_device,
+        # With `heads_axis`, queries, keys, values and the output have their heads split
+        # over it too, each device attending its heads.
+        split_heads = PartitionSpec(*split, heads) if heads else split
+        specs = (split_heads, split_heads, split_heads, split, split)
+        args = _laid_out(args, mesh, specs)
+        mapped = (*batch, *([heads] if heads else []))
+        out = jax.shard_map(
+            ft.partial(per_device, mapped=mapped),
             mesh=mesh,
-            in_specs=tuple(None if x is None else split for x in args),
-            out_specs=split,
-            axis_names=frozenset({axis, *batch}),
-        )
-        out = mapped(*args)
+            in_specs=(
+                *(None if x is None else spec for x, spec in zip(args, specs, strict=True)),
+                None if drop is None else PartitionSpec(),
+            ),
+            out_specs=split_heads,
+            axis_names=frozenset({axis, *mapped}),
+        )(*args, drop)
         return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
 
     return program
@@ -97,16 +108,23 @@ def _batch_axes(query: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, 
     return tuple(n for n in names if n != axis and types.get(n) == AxisType.Explicit)
 
 
-def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, split: PartitionSpec) -> tuple:
-    """`args` laid out as `split` where it names Explicit axes: `jax.shard_map` then takes
+def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, specs: tuple) -> tuple:
+    """`args` laid out by `specs` where they name Explicit axes: `jax.shard_map` then takes
     only inputs already laid out so (on Auto axes it lays them out itself)."""
     types = _compat.axis_type_map(mesh)
-    names = [n for entry in split for n in ((entry,) if isinstance(entry, str) else entry or ())]
+    names = [
+        n
+        for spec in specs
+        for entry in spec
+        for n in ((entry,) if isinstance(entry, str) else entry or ())
+    ]
     if all(types[n] != AxisType.Explicit for n in names):
         return args
     flat = Flat(args)
-    sharding = NamedSharding(mesh, split)
-    shardings: dict[int, Sharding] = dict.fromkeys(flat.array_indices, sharding)
+    shardings: dict[int, Sharding] = {}
+    given = [spec for x, spec in zip(args, specs, strict=True) if x is not None]
+    for index, spec in zip(flat.array_indices, given, strict=True):
+        shardings[index] = NamedSharding(mesh, spec)
     return tuple(flat.rebuild(place.place(checks.VERB, flat, shardings)))
 
 
@@ -122,6 +140,9 @@ def context_attention(
     mesh: Mesh | AbstractMesh | None = None,
     axis: str = "context",
     strategy: str = "ring",
+    heads_axis: str | None = None,
+    dropout_p: float = 0.0,
+    dropout_key: Any = None,
 ) -> jax.Array:
     """Dot-product attention with the sequence split over the mesh axis `axis` (context
     parallelism): `softmax(query key^T * scale, masked) value`, as one device computes it
@@ -221,7 +242,11 @@ def context_attention(
         mesh=mesh,
         axis=axis,
         strategy=strategy,
+        heads_axis=heads_axis,
+        dropout_p=dropout_p,
+        dropout_key=dropout_key,
     )
     dtype = jnp.result_type(query, key, value)
     program = _program(problem, mesh, dtype)
-    return program(query, key, value, mask, segment_ids)
+    drop = dropout_key if problem.dropout_p > 0 else None
+    return program(query, key, value, mask, segment_ids, drop)

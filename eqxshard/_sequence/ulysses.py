@@ -16,13 +16,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .blocks import Block, attend
+from .blocks import Block, attend, dropout_factors
 
 
 def ulysses_attention(
-    axis: str, size: int, causal: bool, scale: float, q: Any, k: Any, v: Any, mask: Any, seg: Any
+    axis: str,
+    size: int,
+    causal: bool,
+    scale: float,
+    dropout: float,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    seg: Any,
+    key: Any = None,
 ) -> Any:
-    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks."""
+    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
+    (`key`: the dropout key, folded with the device's index; `None` without dropout)."""
     b, tq, g, r, dk = q.shape
     if g % size:  # one key head per query head: then the heads divide (checked before)
         k, v = (jnp.repeat(x, r, axis=2) for x in (k, v))
@@ -33,8 +44,12 @@ def ulysses_attention(
 
     q, k, v = heads_out(q), heads_out(k), heads_out(v)
     mask, seg = jax.lax.all_gather((mask, seg), axis, axis=1, tiled=True)
-    t, s = q.shape[1], k.shape[1]
-    block = Block(q, jnp.arange(t), seg, k, v, jnp.arange(s), seg, mask)
+    (_, t, gh, rh, _), s = q.shape, k.shape[1]
+    drop = None
+    if key is not None:  # this device's heads, over the whole sequence
+        me = jax.lax.axis_index(axis)
+        drop = dropout_factors(key, dropout, (b, gh, rh, t, s), me)
+    block = Block(q, jnp.arange(t), seg, k, v, jnp.arange(s), seg, mask, drop)
     out = attend(block, causal=causal, scale=scale)
     out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
     return out.reshape(b, tq, g, r, out.shape[-1])

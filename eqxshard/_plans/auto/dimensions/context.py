@@ -15,6 +15,7 @@ stands in for them yet.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -22,15 +23,15 @@ from jax.sharding import PartitionSpec as P
 
 from ...._sequence.parallel import convert
 from ...._tree import format_bytes, is_array_like
-from ...rules import as_rule
 from ..candidate import Candidate, not_compiled
-from ..layout import Layout, batch_spec
+from ..layout import Layout, batch_axes, batch_spec
 from ..measure import jobs
 from ..measure.cache import ProblemKey
 from ..measure.compiled import step_arguments
 from ..meshes import mesh_for
 from ..trace.problem import Problem
 from ..view import mesh_str
+from . import data_fsdp_tensor
 from .base import Dimension, Measured, Search
 
 AXIS = "context"
@@ -63,23 +64,37 @@ def _leaves(tree: Any) -> list[Any]:
     return [x for x in jax.tree.leaves(tree, is_leaf=is_array_like) if is_array_like(x)]
 
 
-def shapes(devices: int, batch: int, length: int) -> list[tuple[dict[str, int], str]]:
-    """The meshes with a `context` axis, `data x context` for each split of the devices,
-    each with why it cannot run (`""` where the batch splits over `data` and the
-    sequence over `context`)."""
+def layouts(model: Any, devices: int, batch: int, length: int) -> list[tuple[Layout, str]]:
+    """The layouts with a `context` axis: for each size `C` of it that divides the
+    devices, every built-in layout of the other `devices / C` (data parallel, FSDP,
+    tensor parallel and their products, as `data_fsdp_tensor` builds them) with the
+    `context` axis added beside its axes and its rule kept; each with why it cannot run
+    (`""` where the batch splits over the data axes and the sequence over `context`)."""
     out = []
     for context in range(2, devices + 1):
         if devices % context:
             continue
-        data = devices // context
-        shape = {"data": data, AXIS: context} if data > 1 else {AXIS: context}
-        why = ""
-        if length % context:
-            why = f"the sequence of {length} does not split over {context} devices ({AXIS})"
-        elif batch % data:
-            why = f"the batch of {batch} does not split over {data} devices (data)"
-        out.append((shape, why))
+        for rest in data_fsdp_tensor.layouts(model, devices // context, []):
+            shape = {a: s for a, s in rest.shape.items() if s > 1}
+            shape = _with_context(shape, context)
+            name = f"{rest.name} x context" if rest.devices > 1 else AXIS
+            data = math.prod(shape.get(a, 1) for a in batch_axes(shape))
+            why = ""
+            if length % context:
+                why = f"the sequence of {length} does not split over {context} devices ({AXIS})"
+            elif batch % data:
+                axes = " x ".join(batch_axes(shape))
+                why = f"the batch of {batch} does not split over {data} devices ({axes})"
+            out.append((dataclasses.replace(rest, name=name, shape=shape), why))
     return out
+
+
+def _with_context(shape: dict[str, int], context: int) -> dict[str, int]:
+    """`shape` with a `context` axis after its data and fsdp axes, before `model` (the
+    tensor-parallel axis, whose collectives come in every layer, stays innermost)."""
+    outer = {a: s for a, s in shape.items() if a != "model"}
+    inner = {a: s for a, s in shape.items() if a == "model"}
+    return {**outer, AXIS: context, **inner}
 
 
 def converted(problem: Problem) -> tuple[Problem, int]:
@@ -132,9 +147,12 @@ class Context(Dimension):
         # entries are named by the unconverted step's jaxpr.
         problem_key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY))
         todo, left_out = [], []
-        for shape, why in shapes(traced.devices, traced.batch_size, length):
-            name = "DP x context" if "data" in shape else "context"
-            layout = Layout(name, shape, as_rule(P(), "auto_plan"))
+        from .registry import FAMILIES  # here: the registry imports this module
+
+        excluded = {FAMILIES[n] for n in traced.exclude if n in FAMILIES}
+        for layout, why in layouts(problem.model, traced.devices, traced.batch_size, length):
+            if any(layout.shape.get(a, 1) > 1 for a in excluded):
+                continue
             if traced.devices > traced.reach:
                 why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
             if why:
