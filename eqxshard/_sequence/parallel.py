@@ -228,8 +228,9 @@ def context_parallel(
     - `ValueError`: if `strategy` is unknown, or `axis` is not an axis of `mesh` (or of
         the mesh set by `jax.set_mesh` when `mesh` is `None`). When a converted layer is
         called: if its dropout is active and it gets no `key`, its inputs are batched
-        (call it per example), or it gets a mask per head with `"all_to_all"`; and `context_attention`'s errors
-        (a sequence length not divisible by the axis size, and the like).
+        (call it per example), or it gets a mask per head with `"all_to_all"`; and
+        `context_attention`'s errors (a sequence length not divisible by the axis size,
+        and the like).
     - `TypeError`: if `axis` or `heads_axis` is not a string, `causal` not a bool, or
         `mesh` not a mesh.
 

@@ -46,9 +46,7 @@ class Ring(NamedTuple):
 _ALL, _EARLY_KEYS, _LATE_QUERIES = 0, 1, 2
 
 
-def ring_attention(
-    ring: Ring, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any = None
-) -> Any:
+def ring_attention(ring: Ring, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any = None) -> Any:
     """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
     (`key`: the dropout key, `None` without dropout)."""
     if not ring.causal:

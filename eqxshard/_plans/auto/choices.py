@@ -73,14 +73,16 @@ def check_context(context: Any) -> dict[str, str] | None:
         return None
     good = (
         isinstance(context, dict)
-        and set(context) == {"axis", "strategy"}
+        and set(context) - {"heads_axis"} == {"axis", "strategy"}
         and isinstance(context["axis"], str)
+        and isinstance(context.get("heads_axis", ""), str)
         and context["strategy"] in CONTEXT_STRATEGIES
     )
     if not good:
         raise ValueError(
             "`Plan` takes `context` as None or a dict {'axis': mesh axis name, 'strategy': "
-            f"one of {', '.join(map(repr, CONTEXT_STRATEGIES))}}} (e.g. `{{'axis': 'context', "
+            f"one of {', '.join(map(repr, CONTEXT_STRATEGIES))}}}, and 'heads_axis': the axis "
+            "the heads are split over, where they are (e.g. `{'axis': 'context', "
             f"'strategy': 'ring'}}`), but got {context!r}."
         )
     return dict(context)

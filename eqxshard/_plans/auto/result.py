@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 import html
 from collections.abc import Callable
 from typing import Any
@@ -187,11 +188,12 @@ class Plan:
         model = use.configured(verb, model, mesh, self.remat, self._pipeline_options)
         return self._converted(model, mesh)
 
-    def _converted(self, tree: Any, mesh: Mesh) -> Any:
-        """`tree` with its attention converted by the plan's `context` (if any)."""
+    def _converted(self, tree: Any, mesh: Mesh, *, again: bool = True) -> Any:
+        """`tree` with its attention converted by the plan's `context` (if any);
+        `again=False` leaves layers already converted as they are."""
         if self.context is None or tree is None:
             return tree
-        return convert(tree, **self.context, causal=False, mesh=mesh)[0]
+        return convert(tree, **self.context, causal=False, mesh=mesh, again=again)[0]
 
     @property
     def _pipeline_options(self) -> dict[str, Any] | None:
@@ -228,6 +230,11 @@ class Plan:
         model and the optimiser state laid out by `plan.rules` (in and out) and donated,
         the batch by `plan.batch_spec`. Inputs in another layout are moved first (one
         batched transfer), so the model of `plan.init` or `plan.shard` goes in as it is.
+        With a `context`, each call first converts the `eqx.nn.MultiheadAttention`
+        layers of the model and the optimiser state that are not converted yet, as
+        `apply` does (a walk over the tree, no copy of an array; layers already
+        converted, by the plan or by `context_parallel` with other options, are kept):
+        a model made elsewhere goes in as it is too, and the step returns it converted.
 
         **Arguments:**
 
@@ -279,8 +286,11 @@ class Plan:
             raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
         mesh = self._concrete_mesh("jit")
         in_step = use.in_step(self._pipeline_options)
+        convert = None
+        if self.context is not None:
+            convert = ft.partial(self._converted, mesh=mesh, again=False)
         return use.PlanStep(
-            step, mesh, self.rules, self.batch_spec, donate, self._offloads_state, in_step
+            step, mesh, self.rules, self.batch_spec, donate, self._offloads_state, in_step, convert
         )
 
     def apply(self, model: Any) -> Any:

@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 
@@ -38,9 +39,16 @@ AXIS = "context"
 STRATEGY = "ring"
 
 
+HEADS = "model"  # the tensor-parallel axis, which splits the heads where it is
+
+
 def options(shape: dict[str, int]) -> dict[str, str] | None:
-    """A plan's `context` for a mesh of `shape`: how `Plan.apply` converts the model."""
-    return {"axis": AXIS, "strategy": STRATEGY} if shape.get(AXIS, 1) > 1 else None
+    """A plan's `context` for a mesh of `shape`: how `Plan.apply` converts the model (with
+    a `model` axis, the heads split over it: `heads_axis`)."""
+    if shape.get(AXIS, 1) == 1:
+        return None
+    heads = {"heads_axis": HEADS} if shape.get(HEADS, 1) > 1 else {}
+    return {"axis": AXIS, "strategy": STRATEGY, **heads}
 
 
 def sequence_spec(shape: dict[str, int]) -> P:
@@ -97,14 +105,22 @@ def _with_context(shape: dict[str, int], context: int) -> dict[str, int]:
     return {**outer, AXIS: context, **inner}
 
 
-def converted(problem: Problem) -> tuple[Problem, int]:
-    """`problem` with the model's (and the optimiser state's) attention converted, and
-    how many layers were."""
-    model, count = convert(problem.model, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None)
+def converted(problem: Problem, heads_axis: str | None = None) -> tuple[Problem, int]:
+    """`problem` with the model's (and the optimiser state's) attention converted (the
+    heads split over `heads_axis`, if any), and how many layers were."""
+    how = dict(axis=AXIS, strategy=STRATEGY, causal=False, mesh=None, heads_axis=heads_axis)
+    model, count = convert(problem.model, **how)
     state = problem.opt_state
     if state is not None:
-        state, _ = convert(state, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None)
+        state, _ = convert(state, **how)
     return dataclasses.replace(problem, model=model, opt_state=state), count
+
+
+def _heads_left_whole(model: Any, size: int) -> list[int]:
+    """The head counts of the model's attention layers that do not split over `size`."""
+    layers = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, eqx.nn.MultiheadAttention))
+    attention = [m for m in layers if isinstance(m, eqx.nn.MultiheadAttention)]
+    return sorted({m.num_heads for m in attention if m.num_heads % size})
 
 
 def _described(c: Candidate, unsplit: Candidate | None) -> Candidate:
@@ -143,36 +159,43 @@ class Context(Dimension):
         problem, count = converted(traced.problem)
         if not count:
             return measured
-        # Its own key (the converted model's step), kept in memory only: the disk cache's
-        # entries are named by the unconverted step's jaxpr.
-        problem_key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY))
-        todo, left_out = [], []
         from .registry import FAMILIES  # here: the registry imports this module
 
         excluded = {FAMILIES[n] for n in traced.exclude if n in FAMILIES}
+        todo: dict[str | None, list[jobs.Job]] = {}  # by the axis the heads split over
+        left_out = []
         for layout, why in layouts(problem.model, traced.devices, traced.batch_size, length):
             if any(layout.shape.get(a, 1) > 1 for a in excluded):
                 continue
+            heads = (options(layout.shape) or {}).get("heads_axis")
+            whole = _heads_left_whole(problem.model, layout.shape.get(HEADS, 1))
             if traced.devices > traced.reach:
                 why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
+            elif heads and whole and not why:
+                why = f"attention of {whole[0]} heads does not split over {HEADS}"
             if why:
                 left_out.append(search.with_choices(not_compiled(layout, why), layout))
             else:
-                todo.append(self._laid_out(search, problem, layout))
-        compile_ = [job for job in todo if job.placed is not None]
-        jobs.measure_all(
-            problem, problem_key, compile_, local=traced.local, progress=traced.progress
-        )
+                todo.setdefault(heads, []).append(self._laid_out(search, heads, layout))
+        for heads, group in todo.items():
+            # Its own key (the converted model's step), kept in memory only: the disk
+            # cache's entries are named by the unconverted step's jaxpr.
+            key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, heads))
+            compile_ = [job for job in group if job.placed is not None]
+            step = converted(traced.problem, heads)[0]
+            jobs.measure_all(step, key, compile_, local=traced.local, progress=traced.progress)
         unsplit = [c for c in measured.rows if c.total_bytes is not None and c.time is not None]
         smallest = min(unsplit, key=lambda c: c.total_bytes or 0, default=None)
-        rows = [_described(search.row(job), smallest) for job in todo]
+        rows = [_described(search.row(job), smallest) for group in todo.values() for job in group]
         return Measured(measured.jobs, measured.rows + tuple(rows + left_out))
 
     @staticmethod
-    def _laid_out(search: Search, problem: Problem, layout: Layout) -> jobs.Job:
-        """`layout` laid out with the converted model, the batch's sequence over `context`,
-        and the mesh set while the step traces (the converted layers find it there)."""
+    def _laid_out(search: Search, heads: str | None, layout: Layout) -> jobs.Job:
+        """`layout` laid out with the converted model (the heads split over `heads`), the
+        batch's sequence over `context`, and the mesh set while the step traces (the
+        converted layers find it there)."""
         traced = search.traced
+        problem = converted(traced.problem, heads)[0]
         mesh = mesh_for(layout.shape, traced.available)
         spec = sequence_spec(layout.shape)
         try:
