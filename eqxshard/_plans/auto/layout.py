@@ -11,6 +11,11 @@ from typing import Any
 from jax.sharding import PartitionSpec as P
 
 
+# The layout families `exclude=` may name, by the mesh axis each adds: a layout with that
+# axis (of more than one device) is left out.
+FAMILIES = {"data": "data", "fsdp": "fsdp", "tensor": "model"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A candidate before measuring: a mesh shape, a rule, and where it came from."""

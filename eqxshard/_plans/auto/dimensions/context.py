@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from ...._sequence.parallel import convert
 from ...._tree import format_bytes, is_array_like
 from ..candidate import Candidate, not_compiled
-from ..layout import Layout, batch_axes, batch_spec
+from ..layout import FAMILIES, Layout, batch_axes, batch_spec
 from ..measure import jobs
 from ..measure.cache import ProblemKey
 from ..measure.compiled import step_arguments
@@ -159,8 +159,6 @@ class Context(Dimension):
         problem, count = converted(traced.problem)
         if not count:
             return measured
-        from .registry import FAMILIES  # here: the registry imports this module
-
         excluded = {FAMILIES[n] for n in traced.exclude if n in FAMILIES}
         todo: dict[str | None, list[jobs.Job]] = {}  # by the axis the heads split over
         left_out = []
