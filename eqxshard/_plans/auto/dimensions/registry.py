@@ -23,7 +23,6 @@ from .stage.dimension import Stage
 DIMENSIONS: tuple[Dimension, ...] = (DataFsdpTensor(), Stage(), Offload(), Remat(), Context())
 
 
-
 def excluded(exclude: Any) -> frozenset[str]:
     """The names `auto_plan(..., exclude=)` leaves out, checked: dimensions of
     `DIMENSIONS` by name, and layout families of `FAMILIES`."""
