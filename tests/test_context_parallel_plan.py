@@ -214,3 +214,50 @@ def test_a_context_axis_beside_model_or_fsdp_when_only_it_fits(
     placed = plan.shard(model, state, tokens)
     assert placed[0].attention.heads_axis == heads.get("heads_axis")
     _fits_and_matches_one_device(plan, model, tokens, *placed)
+
+
+class Block(eqx.Module):
+    attention: eqx.nn.MultiheadAttention
+
+    def __init__(self, key):
+        self.attention = eqx.nn.MultiheadAttention(4, E, key=key)
+
+    def __call__(self, h):
+        one = lambda x: x + self.attention(x, x, x)
+        return jax.vmap(one)(h) if h.ndim == 3 else one(h)
+
+
+class Piped(eqx.Module):
+    """Two attention layers stacked, which the stage dimension pipelines."""
+
+    blocks: eqxshard.Stacked
+
+    def __init__(self, key):
+        self.blocks = eqxshard.Stacked(eqx.filter_vmap(Block)(jax.random.split(key, 2)))
+
+    def __call__(self, x):
+        return self.blocks(x)
+
+
+def piped_step(model, opt_state, x):
+    loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+    value, grads = eqx.filter_value_and_grad(loss)(model)
+    updates, opt_state = OPTIMISER.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, value
+
+
+def test_a_context_axis_beside_stage_is_a_row_saying_why_it_is_not_weighed():
+    plan = eqxshard.auto_plan(
+        piped_step,
+        Piped(jax.random.key(0)),
+        jax.ShapeDtypeStruct((4, 64, E), jnp.float32),
+        devices=4,
+        budget="1GiB",
+        optimizer=OPTIMISER,
+        progress=False,
+    )
+    assert any(c.pipeline for c in plan.table)  # the stage dimension weighed pipelines
+    rows = [c for c in plan.table if c.name == "PP x context"]
+    assert [c.mesh_shape for c in rows] == [{"stage": 2, "context": 2}]
+    assert rows[0].time is None and "does not lower nested in the pipeline's" in rows[0].reason
+    assert any(c.context and c.time is not None for c in plan.table)  # the others weighed

@@ -192,6 +192,19 @@ def context_attention(
             for a head split, each device attends `H/C` heads over the whole sequence,
             and a second all-to-all trades back. `H` must be a multiple of `C`; where `G`
             is not, keys and values are first repeated to one per query head.
+    - `heads_axis`: `None` (default), or another mesh axis that splits the heads (tensor
+        parallelism beside the sequence split): queries, keys, values and the output are
+        then laid out with their heads over it too, and each device attends its heads of
+        its part of the sequence. `H` and `G` must be multiples of its size (and, with
+        `"all_to_all"`, `H` over it a multiple of `C`).
+    - `dropout_p`: the probability of dropping each attention weight (after the softmax,
+        the kept ones scaled by `1/(1-dropout_p)`), a Python number in [0, 1]. Default 0.
+        The weighted sum of the values is dropped, never the softmax's normaliser. The
+        bits are drawn per block of queries x keys (and per example, and per device of
+        the data and heads axes), from `dropout_key` folded with the block's indices:
+        the same key gives the same output, but not the mask that attention computed
+        whole would draw from it.
+    - `dropout_key`: a `jax.random.key`, needed where `dropout_p > 0`; ignored otherwise.
 
     **Returns:**
 
@@ -206,10 +219,12 @@ def context_attention(
         `T` or `S` is not divisible by the size of `axis` (with `causal` and the ring:
         by twice the size); `causal` with `T != S`; `"all_to_all"` with `H` not divisible
         by the size of `axis`; `mask` or `segment_ids` of the wrong shape, or
-        `segment_ids` with `T != S`.
+        `segment_ids` with `T != S`; `heads_axis` is not another axis of the mesh, or
+        does not divide the heads; `dropout_p` is outside [0, 1], or above 0 without a
+        `dropout_key`.
     - `TypeError`: if `mesh` is not a mesh, an input is not an array, `mask` is not
-        boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` is
-        not a number.
+        boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` or
+        `dropout_p` is not a number.
 
     !!! Example
 

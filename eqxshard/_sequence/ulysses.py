@@ -6,7 +6,8 @@ second `all_to_all` turns the output back. The key/value heads are split the sam
 each device gets the key heads its query heads use; where the key heads do not divide
 over the axis (grouped-query attention with fewer key heads than devices), keys and values
 are first repeated to one per query head. Each device holds `T x S` scores for its heads,
-the caller's mask whole, and all segment ids. Gradients are JAX's.
+the caller's mask whole, and all segment ids. Gradients are JAX's. With dropout, each
+device draws the factors of its heads' weights from the key folded with its index.
 """
 
 from __future__ import annotations

@@ -1,15 +1,25 @@
 """The context dimension: a `context` mesh axis splitting the sequence (context
 parallelism) of a model whose attention `context_parallel` converts (its
-`eqx.nn.MultiheadAttention` layers), over `context` alone or `data x context`.
+`eqx.nn.MultiheadAttention` layers), beside the data, fsdp and tensor-parallel axes.
 
-It refines: once the other layouts are measured, each mesh with a `context` axis is
+It refines: once the other layouts are measured, each layout with a `context` axis is
 compiled with the model converted (`context_parallel`, the ring strategy) and every batch
-leaf laid out `P(data, "context")` (its dim 1 the sequence); each row says what the split
-saves against the smallest unsplit row and what its collectives send. The chosen row's
-`context` (`{"axis": "context", "strategy": "ring"}`) is what `Plan.apply` converts by.
-Parameters are replicated on these meshes (no `fsdp` or `model` axis beside `context`),
-and meshes above `compile_limit` are not weighed (their rows say so): no smaller mesh
-stands in for them yet.
+leaf laid out `P(data axes, "context")` (its dim 1 the sequence). Its layouts are, for
+each size `C` of the `context` axis, every built-in layout of the other devices
+(`data_fsdp_tensor`: DP, FSDP, TP, their products) with the `context` axis added and the
+layout's rule kept: parameters replicated, split over `fsdp`, or their matmuls split over
+`model`, where the heads then split too (`heads_axis="model"`: each device attends its
+heads of its part of the sequence; a layout whose heads do not divide is a row saying
+so). Each row says what the split saves against the smallest unsplit row and what its
+collectives send. The chosen row's `context` (`{"axis": "context", "strategy": "ring"}`,
+with `"heads_axis": "model"` beside a `model` axis) is what `Plan.apply` and `Plan.jit`
+convert by.
+
+What it does not weigh, each a row saying so where it applies: a `context` axis beside a
+pipeline's `stage` axis (the ring's `shard_map` does not lower nested in the pipeline's);
+meshes above `compile_limit` (no smaller mesh stands in for them yet). Nor does it weigh
+the other strategies (`all_gather`, `all_to_all`), the causal balance (the model's own
+causal mask is kept as it is), the user's `rules`, or remat and offload on these layouts.
 """
 
 from __future__ import annotations
@@ -142,6 +152,25 @@ def _described(c: Candidate, unsplit: Candidate | None) -> Candidate:
     return dataclasses.replace(c, reason=f"{c.reason}; {said}" if c.reason else said)
 
 
+def _beside_stages(search: Search, length: int) -> list[Candidate]:
+    """For each size of stage axis a pipeline row has, a row with a `context` axis over
+    the other devices (the stage row's rules): not weighed, saying why."""
+    devices, out = search.traced.devices, {}
+    for c in search.measured.rows:
+        stages = c.mesh_shape.get("stage", 1)
+        context = devices // stages
+        if c.pipeline and stages > 1 and context > 1 and length % context == 0:
+            shape = {"stage": stages, AXIS: context}
+            out.setdefault(stages, not_compiled(Layout("PP x context", shape, c.rules), STAGE_WHY))
+    return list(out.values())
+
+
+STAGE_WHY = (
+    "not weighed: the ring's `shard_map` over `context` does not lower nested in the "
+    "pipeline's over `stage` (JAX 0.10, Shardy)"
+)
+
+
 class Context(Dimension):
     """A `context` axis for models with `eqx.nn.MultiheadAttention`: the sequence split,
     weighed once the other layouts are measured (see the module's docstring)."""
@@ -182,6 +211,7 @@ class Context(Dimension):
             compile_ = [job for job in group if job.placed is not None]
             step = converted(traced.problem, heads)[0]
             jobs.measure_all(step, key, compile_, local=traced.local, progress=traced.progress)
+        left_out += _beside_stages(search, length)
         unsplit = [c for c in measured.rows if c.total_bytes is not None and c.time is not None]
         smallest = min(unsplit, key=lambda c: c.total_bytes or 0, default=None)
         rows = [_described(search.row(job), smallest) for group in todo.values() for job in group]
