@@ -53,7 +53,7 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
     run = _per_device(problem)
     groups, axis, heads = problem.key_heads // problem.heads_size, problem.axis, problem.heads_axis
 
-    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any, mapped: Any) -> Any:
+    def per_device(mapped: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any) -> Any:
         b, t, h, dk = q.shape
         if key is not None:  # each device of the other mapped axes draws its own bits
             for name in mapped:
@@ -78,8 +78,8 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         specs = (split_heads, split_heads, split_heads, split, split)
         args = _laid_out(args, mesh, specs)
         mapped = (*batch, *([heads] if heads else []))
-        out = jax.shard_map(
-            ft.partial(per_device, mapped=mapped),
+        body: Any = jax.shard_map(
+            ft.partial(per_device, mapped),
             mesh=mesh,
             in_specs=(
                 *(None if x is None else spec for x, spec in zip(args, specs, strict=True)),
@@ -87,7 +87,8 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
             ),
             out_specs=split_heads,
             axis_names=frozenset({axis, *mapped}),
-        )(*args, drop)
+        )
+        out = body(*args, drop)
         return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
 
     return program

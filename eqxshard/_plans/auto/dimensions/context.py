@@ -25,6 +25,7 @@ causal mask is kept as it is), the user's `rules`, or remat and offload on these
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 import math
 from typing import Any
 
@@ -118,11 +119,13 @@ def _with_context(shape: dict[str, int], context: int) -> dict[str, int]:
 def converted(problem: Problem, heads_axis: str | None = None) -> tuple[Problem, int]:
     """`problem` with the model's (and the optimiser state's) attention converted (the
     heads split over `heads_axis`, if any), and how many layers were."""
-    how = dict(axis=AXIS, strategy=STRATEGY, causal=False, mesh=None, heads_axis=heads_axis)
-    model, count = convert(problem.model, **how)
+    how = ft.partial(
+        convert, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None, heads_axis=heads_axis
+    )
+    model, count = how(problem.model)
     state = problem.opt_state
     if state is not None:
-        state, _ = convert(state, **how)
+        state, _ = how(state)
     return dataclasses.replace(problem, model=model, opt_state=state), count
 
 
