@@ -51,10 +51,12 @@ class Plan:
         `filter_pipeline` itself (`jit` then runs it with the mesh set; there is no
         `Stacked` to configure). A dict with those keys (what older `repr(plan)`s wrote) is
         still read, with a `DeprecationWarning`.
-    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
-        over that mesh axis; `apply`, `shard` and `init` convert the model's (and the
-        optimiser state's) `eqx.nn.MultiheadAttention` layers by `context_parallel`, and
-        `batch_spec` splits every batch leaf's dim 1 (the sequence) over it.
+    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}` (with
+        `"heads_axis": "model"` where the heads split over a `model` axis too): the
+        sequence split over that mesh axis; `apply`, `shard`, `init` and `jit` convert
+        the model's (and the optimiser state's) `eqx.nn.MultiheadAttention` layers by
+        `context_parallel` with these options, and `batch_spec` splits every batch
+        leaf's dim 1 (the sequence) over it.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
