@@ -273,7 +273,7 @@ P_DROP = 0.3
 DROPOUT = [("ring", False), ("ring", True), ("all_gather", True), ("all_to_all", False)]
 
 
-def _factors(mesh, strategy: str, causal: bool, key, *, lead=(2,)) -> np.ndarray:
+def _factors(mesh, strategy: str, causal: bool, key, *, lead=(2,), heads_axis=None):
     """The factor each attention weight got, `(..., H, T, S)`, read off an attention whose
     queries are 0 (every key it sees weighs the same) and whose values are one-hot key
     positions: output `[t, h, s]` is the weight of key `s` for query `t`, times its factor."""
@@ -288,6 +288,7 @@ def _factors(mesh, strategy: str, causal: bool, key, *, lead=(2,)) -> np.ndarray
         strategy=strategy,
         dropout_p=P_DROP,
         dropout_key=key,
+        heads_axis=heads_axis,
     )
     seen = np.arange(1, T + 1) if causal else np.full(T, T)  # keys each query sees
     return np.moveaxis(np.asarray(out), -2, -3) * seen[:, None]
@@ -328,6 +329,41 @@ def test_dropout_drops_each_weight_with_probability_p(strategy: str, causal: boo
 
     (_, out), grads = jax.jit(_loss_and_grads(attention))(q, k, v)
     plain = lambda q, k, v: reference(q, k, v, causal=causal, factors=factors)
+    (_, expected), expected_grads = _loss_and_grads(plain)(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_with_examples_and_heads_over_explicit_axes():
+    """Examples and heads on other devices of the data and heads axes get other factors,
+    the same whichever devices hold them (read off inputs left whole, they are those of
+    the inputs laid out): values and gradients are attention's with them."""
+    mesh = make_mesh("explicit", (2, 2, 2), ("data", "context", "model"))
+    key = jax.random.key(7)
+    factors = _factors(mesh, "ring", True, key, heads_axis="model")
+    assert not np.array_equal(factors[0, 0], factors[1, 0])  # examples over `data`
+    assert not np.array_equal(factors[0, 0], factors[0, 2])  # heads over `model`
+    kept = factors[np.broadcast_to(np.tril(np.ones((T, T), bool)), factors.shape)]
+    np.testing.assert_allclose(kept * (1 - P_DROP), np.round(kept * (1 - P_DROP)), atol=1e-5)
+    q, k, v, _, _ = inputs(Case("ring"))
+    split = named(mesh, "data", "context", "model")
+    placed = [jax.device_put(x, split) for x in (q, k, v)]
+
+    def attention(q, k, v):
+        return eqxshard.context_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            mesh=mesh,
+            heads_axis="model",
+            dropout_p=P_DROP,
+            dropout_key=key,
+        )
+
+    (_, out), grads = jax.jit(_loss_and_grads(attention))(*placed)
+    plain = lambda q, k, v: reference(q, k, v, causal=True, factors=factors)
     (_, expected), expected_grads = _loss_and_grads(plain)(q, k, v)
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, expected_grads, strict=True):

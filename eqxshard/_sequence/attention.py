@@ -15,6 +15,7 @@ from .._caches import register
 from .._placement import place
 from .._tree import Flat
 from . import checks
+from .blocks import Draw
 from .gather import gather_attention
 from .ring import Ring, ring_attention
 from .ulysses import ulysses_attention
@@ -53,12 +54,16 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
     run = _per_device(problem)
     groups, axis, heads = problem.key_heads // problem.heads_size, problem.axis, problem.heads_axis
 
-    def per_device(mapped: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any) -> Any:
+    def per_device(batch: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any) -> Any:
         b, t, h, dk = q.shape
-        if key is not None:  # each device of the other mapped axes draws its own bits
-            for name in mapped:
-                key = jax.random.fold_in(key, jax.lax.axis_index(name))
-        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg, key)
+        draw = None
+        if key is not None:  # this device's first example and head, by global index
+            example = jnp.int32(0)
+            for name in batch:  # the mapped batch axes, major first
+                example = example * _size(mesh, name) + jax.lax.axis_index(name)
+            first = jax.lax.axis_index(heads) * h if heads else 0
+            draw = Draw(key, example * b, first)
+        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg, draw)
         return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
 
     @jax.jit
@@ -79,7 +84,7 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         args = _laid_out(args, mesh, specs)
         mapped = (*batch, *([heads] if heads else []))
         body: Any = jax.shard_map(
-            ft.partial(per_device, mapped),
+            ft.partial(per_device, batch),
             mesh=mesh,
             in_specs=(
                 *(None if x is None else spec for x, spec in zip(args, specs, strict=True)),
@@ -92,6 +97,10 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
 
     return program
+
+
+def _size(mesh: Mesh | AbstractMesh, name: str) -> int:
+    return int(dict(mesh.shape)[name])
 
 
 def _batch_axes(query: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, ...]:
@@ -201,10 +210,10 @@ def context_attention(
     - `dropout_p`: the probability of dropping each attention weight (after the softmax,
         the kept ones scaled by `1/(1-dropout_p)`), a Python number in [0, 1]. Default 0.
         The weighted sum of the values is dropped, never the softmax's normaliser. The
-        bits are drawn per block of queries x keys (and per example, and per device of
-        the data and heads axes), from `dropout_key` folded with the block's indices:
-        the same key gives the same output, but not the mask that attention computed
-        whole would draw from it.
+        bits are drawn per block of queries x keys, example and head, from `dropout_key`
+        folded with their indices (whichever devices hold the examples and heads): the
+        same key gives the same output, but not the mask that attention computed whole
+        would draw from it.
     - `dropout_key`: a `jax.random.key`, needed where `dropout_p > 0`; ignored otherwise.
 
     **Returns:**

@@ -152,11 +152,31 @@ def grads(block: Block, dout: Any, lse: Any, delta: Any, *, causal: bool, scale:
     return Grads(dq, dk, dv)
 
 
-def dropout_factors(key: Any, p: float, shape: tuple[int, ...], *blocks: Any) -> Any:
-    """Each attention weight's dropout factor, float32 of `shape`: 0 with probability `p`,
-    else `1/(1-p)`; drawn from `key` folded with the indices `blocks` (the device's, or
-    the query and key blocks'), so each block draws its own bits, the same each time."""
+class Draw(NamedTuple):
+    """Where a device's dropout bits come from: the key, and the global indices of the
+    device's first example and first query head (its examples and heads follow)."""
+
+    key: Any
+    example: Any
+    head: Any
+
+
+def dropout_factors(draw: Draw, p: float, shape: tuple[int, ...], *blocks: Any) -> Any:
+    """Each attention weight's dropout factor, float32 of `shape` `(B, G, R, Tq, Tk)`: 0
+    with probability `p`, else `1/(1-p)`. Each example and query head draws its own bits
+    from the key folded with the indices `blocks` (the query and key blocks', or the
+    device's), then the example's and the head's global index: the same bits whichever
+    devices hold the examples and heads, and the same each time."""
+    b, g, r, tq, tk = shape
+    key = draw.key
     for index in blocks:
         key = jax.random.fold_in(key, index)
-    keep = jax.random.bernoulli(key, 1.0 - p, shape)
+
+    def one(example: Any, head: Any) -> Any:
+        mine = jax.random.fold_in(jax.random.fold_in(key, example), head)
+        return jax.random.bernoulli(mine, 1.0 - p, (tq, tk))
+
+    examples, heads = draw.example + jnp.arange(b), draw.head + jnp.arange(g * r)
+    keep = jax.vmap(lambda e: jax.vmap(lambda h: one(e, h))(heads))(examples)
+    keep = keep.reshape(b, g, r, tq, tk)
     return jnp.where(keep, 1.0 / (1.0 - p) if p < 1 else 0.0, 0.0).astype(F32)

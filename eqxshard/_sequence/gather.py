@@ -26,7 +26,7 @@ def gather_attention(
     key: Any = None,
 ) -> Any:
     """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
-    (`key`: the dropout key, folded with the device's index; `None` without dropout)."""
+    (`key`: where the dropout bits come from, a `Draw`; `None` without dropout)."""
     everything = jax.lax.all_gather((k, v, seg), axis, axis=1, tiled=True)
     k, v, kseg = everything
     (b, tq, g, r, _), s = q.shape, k.shape[1]

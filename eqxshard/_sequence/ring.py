@@ -48,7 +48,7 @@ _ALL, _EARLY_KEYS, _LATE_QUERIES = 0, 1, 2
 
 def ring_attention(ring: Ring, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any = None) -> Any:
     """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
-    (`key`: the dropout key, `None` without dropout)."""
+    (`key`: where the dropout bits come from, a `Draw`; `None` without dropout)."""
     if not ring.causal:
         return _ring(ring, q, k, v, mask, seg, key)
     moved = [

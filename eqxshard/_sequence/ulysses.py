@@ -7,7 +7,7 @@ each device gets the key heads its query heads use; where the key heads do not d
 over the axis (grouped-query attention with fewer key heads than devices), keys and values
 are first repeated to one per query head. Each device holds `T x S` scores for its heads,
 the caller's mask whole, and all segment ids. Gradients are JAX's. With dropout, each
-device draws the factors of its heads' weights from the key folded with its index.
+device draws the factors of its heads' weights (each head by its global index).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def ulysses_attention(
     key: Any = None,
 ) -> Any:
     """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
-    (`key`: the dropout key, folded with the device's index; `None` without dropout)."""
+    (`key`: where the dropout bits come from, a `Draw`; `None` without dropout)."""
     b, tq, g, r, dk = q.shape
     if g % size:  # one key head per query head: then the heads divide (checked before)
         k, v = (jnp.repeat(x, r, axis=2) for x in (k, v))
@@ -48,8 +48,8 @@ def ulysses_attention(
     (_, t, gh, rh, _), s = q.shape, k.shape[1]
     drop = None
     if key is not None:  # this device's heads, over the whole sequence
-        me = jax.lax.axis_index(axis)
-        drop = dropout_factors(key, dropout, (b, gh, rh, t, s), me)
+        first = key.head + jax.lax.axis_index(axis) * gh * rh
+        drop = dropout_factors(key._replace(head=first), dropout, (b, gh, rh, t, s))
     block = Block(q, jnp.arange(t), seg, k, v, jnp.arange(s), seg, mask, drop)
     out = attend(block, causal=causal, scale=scale)
     out = jax.lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
