@@ -276,6 +276,7 @@ BAD = {
     "axis type": (dict(axis=1), TypeError, r"axis=.*must be a mesh axis name"),
     "causal": (dict(causal=1), TypeError, r"causal=.*must be a bool"),
     "mesh": (dict(mesh="context"), TypeError, r"mesh=.*must be a `jax.sharding.Mesh`"),
+    "heads_axis": (dict(heads_axis=1), TypeError, r"heads_axis=.*must be a mesh axis name"),
 }
 
 
