@@ -129,15 +129,16 @@ def test_a_generous_budget_picks_the_fastest_row_by_its_own_figures(searched):
     assert any("expert" in c.mesh_shape for c in fitting)  # weighed
     assert any("expert" not in c.mesh_shape for c in fitting)
     assert plan.chosen.time == min(c.time for c in fitting)
-    assert plan.experts == plan.chosen.experts
-    assert (plan.experts is not None) == ("expert" in plan.mesh.shape)
+    split = "expert" in plan.mesh.shape
+    assert plan.chosen.experts == ({"axis": "expert"} if split else None)
+    assert plan.experts == (plan.chosen.experts if split else {"axis": None})
 
 
 def test_excluding_experts_leaves_them_out_and_runs_them_unsplit(model, searched):
     plan = searched("1GiB", exclude=("experts",))
     assert not [c for c in plan.table if "expert" in c.mesh_shape or c.experts]
-    assert plan.experts is None and "experts=" not in repr(plan)
-    # A plan without `experts` runs the model's `Experts` unsplit.
+    # The plan runs the model's `Experts` unsplit, as every layout was measured.
+    assert plan.experts == {"axis": None} and "experts={'axis': None}" in repr(plan)
     applied = plan.apply(model)
     assert applied.experts.axis is None and applied.experts.mesh is None
     x = jax.random.normal(jax.random.key(1), (N, D))
@@ -174,7 +175,7 @@ def test_a_model_without_experts_gets_no_expert_rows():
 
 @pytest.mark.parametrize("experts", ["expert", {"axis": 3}, {"axis": "expert", "size": 4}])
 def test_a_bad_plan_experts_is_a_clear_error(experts):
-    with pytest.raises(ValueError, match=r"`Plan` takes `experts` as None or a dict"):
+    with pytest.raises(ValueError, match=r"`Plan` takes `experts` as None \(.*\) or a dict"):
         eqxshard.Plan({"expert": 4}, P(), P("expert"), experts=experts)
 
 
@@ -195,3 +196,23 @@ def test_the_expert_layouts():
         ({"fsdp": 2, "expert": 2}, "the batch of 6 does not split over 4 devices"),
         ({"expert": 4}, "the batch of 6 does not split over 4 devices"),
     ]
+
+
+def test_a_plan_without_experts_leaves_a_models_experts_as_they_are(model):
+    """A hand-built plan (`experts=None`) places the model and keeps its `Experts` split
+    as the model says; `{"axis": None}` runs them unsplit; both give the same values."""
+    rules = eqxshard.experts("expert") | P()
+    kept = eqxshard.Plan({"data": 2, "expert": 4}, rules, P(("data", "expert"))).apply(model)
+    assert kept.experts.axis == "expert"
+    assert kept.experts.expert_blocks.layers[0].weight.sharding.spec[0] == "expert"
+    plan = eqxshard.Plan({"data": 8}, P(), P("data"), experts={"axis": None})
+    assert "experts unsplit" in str(plan)
+    unsplit = plan.apply(model)
+    assert unsplit.experts.axis is None
+    x = jax.random.normal(jax.random.key(1), (N, D))
+    mesh = kept.experts.expert_blocks.layers[0].weight.sharding.mesh
+    with jax.set_mesh(mesh):  # the `Experts` find it there, as in a step
+        split = eqx.filter_jit(lambda m, x: m(x))(kept, x)
+    np.testing.assert_allclose(
+        split, eqx.filter_jit(lambda m, x: m(x))(unsplit, x), rtol=1e-5, atol=1e-6
+    )

@@ -20,9 +20,10 @@ import eqxshard
 T, H, D = 32, 4, 8
 
 
-def reference(q, k, v, mask=None, segment_ids=None, causal=False, scale=None):
+def reference(q, k, v, mask=None, segment_ids=None, causal=False, scale=None, factors=None):
     """Attention on one device: softmax over the keys a query may see (a query that sees
-    none gets 0), grouped-query heads by repeating each key head."""
+    none gets 0), grouped-query heads by repeating each key head; `factors` `(..., H, T,
+    S)` multiply the weights after the softmax (dropout)."""
     t, h, dk = q.shape[-3:]
     s, g = k.shape[-3], k.shape[-2]
     scale = 1 / math.sqrt(dk) if scale is None else scale
@@ -40,6 +41,8 @@ def reference(q, k, v, mask=None, segment_ids=None, causal=False, scale=None):
     weights = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0))
     total = jnp.sum(weights, axis=-1, keepdims=True)
     weights = jnp.where(total > 0, weights / jnp.where(total > 0, total, 1), 0)
+    if factors is not None:
+        weights = weights * factors
     return jnp.einsum("...hqk,...khd->...qhd", weights, v)
 
 
@@ -241,6 +244,149 @@ def _zeros(*shape: int, dtype: Any = np.float32) -> np.ndarray:
     return np.zeros(shape, dtype)
 
 
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_heads_split_over_a_second_axis(strategy: str, kind: str):
+    """With `heads_axis`, each device attends its heads of its part of the sequence: the
+    same values and gradients, the output's heads split over that axis."""
+    mesh = make_mesh(kind, (2, 2), ("context", "model"))
+    q, k, v, mask, _ = inputs(Case(strategy, mask=True))
+    split = named(mesh, None, "context", "model")
+    placed = [jax.device_put(x, split) for x in (q, k, v)]
+
+    def attention(q, k, v):
+        return eqxshard.context_attention(
+            q, k, v, mask=mask, mesh=mesh, strategy=strategy, heads_axis="model"
+        )
+
+    (_, out), grads = jax.jit(_loss_and_grads(attention))(*placed)
+    plain = lambda q, k, v: reference(q, k, v, mask)
+    (_, expected), expected_grads = _loss_and_grads(plain)(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert_sharding(out.sharding, split, out.ndim)
+
+
+P_DROP = 0.3
+# (strategy, causal): the ring's causal layout draws its blocks' bits in zig-zag order.
+DROPOUT = [("ring", False), ("ring", True), ("all_gather", True), ("all_to_all", False)]
+
+
+def _factors(mesh, strategy: str, causal: bool, key, *, lead=(2,), heads_axis=None):
+    """The factor each attention weight got, `(..., H, T, S)`, read off an attention whose
+    queries are 0 (every key it sees weighs the same) and whose values are one-hot key
+    positions: output `[t, h, s]` is the weight of key `s` for query `t`, times its factor."""
+    zeros = jnp.zeros((*lead, T, H, D))
+    onehot = jnp.broadcast_to(jnp.eye(T)[:, None, :], (*lead, T, 2, T))
+    out = eqxshard.context_attention(
+        zeros,
+        zeros[..., :2, :],
+        onehot,
+        causal=causal,
+        mesh=mesh,
+        strategy=strategy,
+        dropout_p=P_DROP,
+        dropout_key=key,
+        heads_axis=heads_axis,
+    )
+    seen = np.arange(1, T + 1) if causal else np.full(T, T)  # keys each query sees
+    return np.moveaxis(np.asarray(out), -2, -3) * seen[:, None]
+
+
+@pytest.mark.parametrize("strategy, causal", DROPOUT)
+def test_dropout_drops_each_weight_with_probability_p(strategy: str, causal: bool):
+    """Each weight is kept (times `1/(1-p)`) or dropped, with the probability asked for;
+    each example, head and block draws its own bits, the same for the same key; values
+    and gradients are those of attention with the weights so dropped."""
+    mesh = make_mesh("auto", (4,), ("context",))
+    key = jax.random.key(7)
+    factors = _factors(mesh, strategy, causal, key)
+    seen = np.broadcast_to(np.tril(np.ones((T, T), bool)) if causal else True, factors.shape)
+    kept = factors[seen] * (1 - P_DROP)
+    np.testing.assert_allclose(kept, np.round(kept), atol=1e-5)  # 0 or 1/(1-p)
+    assert abs(kept.mean() - (1 - P_DROP)) < 4 * math.sqrt(P_DROP * (1 - P_DROP) / kept.size)
+    np.testing.assert_array_equal(factors[~seen], 0)
+    diagonal = [factors[0, 0, i * 8 : (i + 1) * 8, i * 8 : (i + 1) * 8] for i in range(4)]
+    others = [*diagonal[1:], factors[1, 0, :8, :8], factors[0, 1, :8, :8]]
+    assert all(not np.array_equal(diagonal[0], x) for x in others)
+    np.testing.assert_array_equal(factors, _factors(mesh, strategy, causal, key))
+    assert not np.array_equal(factors, _factors(mesh, strategy, causal, jax.random.key(8)))
+
+    q, k, v, _, _ = inputs(Case(strategy))
+
+    def attention(q, k, v):
+        return eqxshard.context_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            mesh=mesh,
+            strategy=strategy,
+            dropout_p=P_DROP,
+            dropout_key=key,
+        )
+
+    (_, out), grads = jax.jit(_loss_and_grads(attention))(q, k, v)
+    plain = lambda q, k, v: reference(q, k, v, causal=causal, factors=factors)
+    (_, expected), expected_grads = _loss_and_grads(plain)(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_with_examples_and_heads_over_explicit_axes():
+    """Examples and heads on other devices of the data and heads axes get other factors,
+    the same whichever devices hold them (read off inputs left whole, they are those of
+    the inputs laid out): values and gradients are attention's with them."""
+    mesh = make_mesh("explicit", (2, 2, 2), ("data", "context", "model"))
+    key = jax.random.key(7)
+    factors = _factors(mesh, "ring", True, key, heads_axis="model")
+    assert not np.array_equal(factors[0, 0], factors[1, 0])  # examples over `data`
+    assert not np.array_equal(factors[0, 0], factors[0, 2])  # heads over `model`
+    kept = factors[np.broadcast_to(np.tril(np.ones((T, T), bool)), factors.shape)]
+    np.testing.assert_allclose(kept * (1 - P_DROP), np.round(kept * (1 - P_DROP)), atol=1e-5)
+    q, k, v, _, _ = inputs(Case("ring"))
+    split = named(mesh, "data", "context", "model")
+    placed = [jax.device_put(x, split) for x in (q, k, v)]
+
+    def attention(q, k, v):
+        return eqxshard.context_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            mesh=mesh,
+            heads_axis="model",
+            dropout_p=P_DROP,
+            dropout_key=key,
+        )
+
+    (_, out), grads = jax.jit(_loss_and_grads(attention))(*placed)
+    plain = lambda q, k, v: reference(q, k, v, causal=True, factors=factors)
+    (_, expected), expected_grads = _loss_and_grads(plain)(q, k, v)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads, expected_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy, causal", DROPOUT)
+def test_dropout_averages_to_attention_without_it(strategy: str, causal: bool):
+    """Over many keys (one call under `jax.vmap` over the key), the mean output is the
+    output without dropout, within five standard errors of each element."""
+    mesh = make_mesh("auto", (4,), ("context",))
+    q, k, v, _, _ = inputs(Case(strategy))
+    attend = lambda key, p: eqxshard.context_attention(
+        q, k, v, causal=causal, mesh=mesh, strategy=strategy, dropout_p=p, dropout_key=key
+    )
+    keys = jax.random.split(jax.random.key(0), 400)
+    outs = np.asarray(jax.jit(jax.vmap(lambda key: attend(key, P_DROP)))(keys))
+    want = np.asarray(attend(None, 0.0))
+    error = np.abs(outs.mean(axis=0) - want)
+    assert np.all(error <= 5 * outs.std(axis=0) / math.sqrt(len(keys)) + 1e-5)
+    assert outs.std(axis=0).mean() > 0.05  # the outputs do vary with the key
+
+
 # (arguments changed from a good call, the error, the words it must say)
 BAD = {
     "query_length": (
@@ -308,6 +454,23 @@ BAD = {
     ),
     "causal_type": ({"causal": "yes"}, TypeError, r"`context_attention\(causal=\.\.\.\)` must"),
     "scale_type": ({"scale": "big"}, TypeError, r"`context_attention\(scale=\.\.\.\)` must"),
+    "heads_axis": (
+        {"heads_axis": "context"},
+        ValueError,
+        r"`context_attention\(heads_axis=\.\.\.\)` must name an axis of the mesh other than",
+    ),
+    "heads_axis_size": (
+        {"heads_axis": "model", "mesh": make_mesh("auto", (2, 4), ("context", "model"))},
+        ValueError,
+        r"heads_axis='model'\)` splits the heads over an axis of size 4.*`key` 2",
+    ),
+    "dropout_range": ({"dropout_p": 1.5}, ValueError, r"\(dropout_p=\.\.\.\)` must be in \[0, 1\]"),
+    "dropout_type": ({"dropout_p": "0.1"}, TypeError, r"\(dropout_p=\.\.\.\)` must be a Python"),
+    "dropout_key": (
+        {"dropout_p": 0.1},
+        ValueError,
+        r"`context_attention\(dropout_p=0.1\)` drops attention weights.*needs `dropout_key`",
+    ),
     "no_mesh": ({"mesh": None}, ValueError, r"without a `mesh` and no mesh is set"),
     "mesh_type": ({"mesh": "context"}, TypeError, r"`context_attention\(mesh=\.\.\.\)` must"),
 }

@@ -221,17 +221,45 @@ def test_no_attention_warns_and_returns_the_model():
     assert all(a is b for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(model), strict=True))
 
 
-def test_active_dropout_is_a_clear_error():
+def test_dropout_in_inference_mode_gives_the_originals_outputs():
     mesh = make_mesh("auto", (4,), ("context",))
-    attention = eqx.nn.MultiheadAttention(HEADS, E, dropout_p=0.1, key=jax.random.key(0))
+    attention = eqx.nn.MultiheadAttention(HEADS, E, dropout_p=0.3, key=jax.random.key(0))
     split = eqxshard.context_parallel(attention, mesh=mesh)
-    x = jnp.zeros((T, E))
-    with pytest.raises(ValueError, match=r"does not apply dropout.*dropout_p=0.*inference=True"):
-        split(x, x, x, key=jax.random.key(1))
-    out = split(x, x, x, inference=True)  # inactive dropout is fine
-    assert out.shape == (T, E)
-    out = eqx.nn.inference_mode(split)(x, x, x)
-    assert out.shape == (T, E)
+    x = jax.random.normal(jax.random.key(1), (T, E))
+    want = attention(x, x, x, inference=True)
+    _allclose(split(x, x, x, key=jax.random.key(2), inference=True), want)
+    _allclose(eqx.nn.inference_mode(split)(x, x, x), want)
+    with pytest.raises(ValueError, match=r"drops attention weights.*needs a `key`.*inference"):
+        split(x, x, x)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather", "all_to_all"])
+def test_dropout_is_the_originals_in_distribution(strategy: str):
+    """With dropout: the same output for the same key, another for another key; over many
+    keys the mean is the output without dropout and the spread the original's; gradients
+    flow to every projection."""
+    mesh = make_mesh("auto", (4,), ("context",))
+    attention = eqx.nn.MultiheadAttention(HEADS, E, dropout_p=0.3, key=jax.random.key(0))
+    split = eqxshard.context_parallel(attention, strategy=strategy, mesh=mesh)
+    x = jax.random.normal(jax.random.key(1), (T, E))
+    call = eqx.filter_jit(lambda m, key: m(x, x, x, key=key))
+    one, other = jax.random.key(2), jax.random.key(3)
+    np.testing.assert_array_equal(call(split, one), call(split, one))
+    assert not np.allclose(call(split, one), call(split, other))
+
+    keys = jax.random.split(jax.random.key(4), 400)
+    outs = eqx.filter_jit(lambda m: jax.vmap(lambda key: m(x, x, x, key=key))(keys))
+    got, original = np.asarray(outs(split)), np.asarray(outs(attention))
+    want = np.asarray(attention(x, x, x, inference=True))
+    error = np.abs(got.mean(axis=0) - want)
+    assert np.all(error <= 5 * got.std(axis=0) / np.sqrt(len(keys)) + 1e-5)
+    spread = got.std(axis=0).mean() / original.std(axis=0).mean()
+    assert 0.8 < spread < 1.25, spread
+
+    loss = lambda m: jnp.sum(jnp.sin(m(x, x, x, key=one)))
+    grads = eqx.filter_jit(eqx.filter_grad(loss))(split)
+    for proj in (grads.query_proj, grads.key_proj, grads.value_proj, grads.output_proj):
+        assert np.all(np.isfinite(proj.weight)) and np.any(proj.weight != 0)
 
 
 BAD = {
@@ -248,6 +276,7 @@ BAD = {
     "axis type": (dict(axis=1), TypeError, r"axis=.*must be a mesh axis name"),
     "causal": (dict(causal=1), TypeError, r"causal=.*must be a bool"),
     "mesh": (dict(mesh="context"), TypeError, r"mesh=.*must be a `jax.sharding.Mesh`"),
+    "heads_axis": (dict(heads_axis=1), TypeError, r"heads_axis=.*must be a mesh axis name"),
 }
 
 

@@ -15,19 +15,18 @@ from .._caches import register
 from .._placement import place
 from .._tree import Flat
 from . import checks
+from .blocks import Across, Draw
 from .gather import gather_attention
-from .ring import Ring, ring_attention
+from .ring import ring_attention
 from .ulysses import ulysses_attention
 
 
 def _per_device(problem: checks.Problem) -> Any:
     """The strategy's per-device function on 5-dim queries `(B, Tq, G, R, Dk)`."""
-    axis, size, causal, scale = problem.axis, problem.size, problem.causal, problem.scale
-    if problem.strategy == "ring":
-        return ft.partial(ring_attention, Ring(axis, size, causal, scale))
-    if problem.strategy == "all_gather":
-        return ft.partial(gather_attention, axis, causal, scale)
-    return ft.partial(ulysses_attention, axis, size, causal, scale)
+    p = problem
+    across = Across(p.axis, p.size, p.causal, p.scale, p.dropout_p)
+    run = {"ring": ring_attention, "all_gather": gather_attention, "all_to_all": ulysses_attention}
+    return ft.partial(run[p.strategy], across)
 
 
 def _batched(x: Any, problem: checks.Problem, dims: int) -> Any:
@@ -50,15 +49,22 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
     """The whole computation, jitted: called eagerly it runs as one program (a
     `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
     run = _per_device(problem)
-    groups, axis = problem.key_heads, problem.axis
+    groups, axis, heads = problem.key_heads // problem.heads_size, problem.axis, problem.heads_axis
 
-    def per_device(q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
+    def per_device(batch: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any) -> Any:
         b, t, h, dk = q.shape
-        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg)
+        draw = None
+        if key is not None:  # this device's first example and head, by global index
+            example = jnp.int32(0)
+            for name in batch:  # the mapped batch axes, major first
+                example = example * _size(mesh, name) + jax.lax.axis_index(name)
+            first = jax.lax.axis_index(heads) * h if heads else 0
+            draw = Draw(key, example * b, first)
+        out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg, draw)
         return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
 
     @jax.jit
-    def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any) -> Any:
+    def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any, drop: Any) -> Any:
         args = (
             _batched(query, problem, 3),
             _batched(key, problem, 3),
@@ -68,18 +74,30 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         )
         batch = _batch_axes(args[0], mesh, axis)
         split = PartitionSpec(batch[0] if len(batch) == 1 else batch or None, axis)
-        args = _laid_out(args, mesh, split)
-        mapped = jax.shard_map(
-            per_device,
+        # With `heads_axis`, queries, keys, values and the output have their heads split
+        # over it too, each device attending its heads.
+        split_heads = PartitionSpec(*split, heads) if heads else split
+        specs = (split_heads, split_heads, split_heads, split, split)
+        args = _laid_out(args, mesh, specs)
+        mapped = (*batch, *([heads] if heads else []))
+        body: Any = jax.shard_map(
+            ft.partial(per_device, batch),
             mesh=mesh,
-            in_specs=tuple(None if x is None else split for x in args),
-            out_specs=split,
-            axis_names=frozenset({axis, *batch}),
+            in_specs=(
+                *(None if x is None else spec for x, spec in zip(args, specs, strict=True)),
+                None if drop is None else PartitionSpec(),
+            ),
+            out_specs=split_heads,
+            axis_names=frozenset({axis, *mapped}),
         )
-        out = mapped(*args)
+        out = body(*args, drop)
         return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
 
     return program
+
+
+def _size(mesh: Mesh | AbstractMesh, name: str) -> int:
+    return int(dict(mesh.shape)[name])
 
 
 def _batch_axes(query: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, ...]:
@@ -97,16 +115,23 @@ def _batch_axes(query: Any, mesh: Mesh | AbstractMesh, axis: str) -> tuple[str, 
     return tuple(n for n in names if n != axis and types.get(n) == AxisType.Explicit)
 
 
-def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, split: PartitionSpec) -> tuple:
-    """`args` laid out as `split` where it names Explicit axes: `jax.shard_map` then takes
+def _laid_out(args: tuple, mesh: Mesh | AbstractMesh, specs: tuple) -> tuple:
+    """`args` laid out by `specs` where they name Explicit axes: `jax.shard_map` then takes
     only inputs already laid out so (on Auto axes it lays them out itself)."""
     types = _compat.axis_type_map(mesh)
-    names = [n for entry in split for n in ((entry,) if isinstance(entry, str) else entry or ())]
+    names = [
+        n
+        for spec in specs
+        for entry in spec
+        for n in ((entry,) if isinstance(entry, str) else entry or ())
+    ]
     if all(types[n] != AxisType.Explicit for n in names):
         return args
     flat = Flat(args)
-    sharding = NamedSharding(mesh, split)
-    shardings: dict[int, Sharding] = dict.fromkeys(flat.array_indices, sharding)
+    shardings: dict[int, Sharding] = {}
+    given = [spec for x, spec in zip(args, specs, strict=True) if x is not None]
+    for index, spec in zip(flat.array_indices, given, strict=True):
+        shardings[index] = NamedSharding(mesh, spec)
     return tuple(flat.rebuild(place.place(checks.VERB, flat, shardings)))
 
 
@@ -122,6 +147,9 @@ def context_attention(
     mesh: Mesh | AbstractMesh | None = None,
     axis: str = "context",
     strategy: str = "ring",
+    heads_axis: str | None = None,
+    dropout_p: float = 0.0,
+    dropout_key: Any = None,
 ) -> jax.Array:
     """Dot-product attention with the sequence split over the mesh axis `axis` (context
     parallelism): `softmax(query key^T * scale, masked) value`, as one device computes it
@@ -171,6 +199,19 @@ def context_attention(
             for a head split, each device attends `H/C` heads over the whole sequence,
             and a second all-to-all trades back. `H` must be a multiple of `C`; where `G`
             is not, keys and values are first repeated to one per query head.
+    - `heads_axis`: `None` (default), or another mesh axis that splits the heads (tensor
+        parallelism beside the sequence split): queries, keys, values and the output are
+        then laid out with their heads over it too, and each device attends its heads of
+        its part of the sequence. `H` and `G` must be multiples of its size (and, with
+        `"all_to_all"`, `H` over it a multiple of `C`).
+    - `dropout_p`: the probability of dropping each attention weight (after the softmax,
+        the kept ones scaled by `1/(1-dropout_p)`), a Python number in [0, 1]. Default 0.
+        The weighted sum of the values is dropped, never the softmax's normaliser. The
+        bits are drawn per block of queries x keys, example and head, from `dropout_key`
+        folded with their indices (whichever devices hold the examples and heads): the
+        same key gives the same output, but not the mask that attention computed whole
+        would draw from it.
+    - `dropout_key`: a `jax.random.key`, needed where `dropout_p > 0`; ignored otherwise.
 
     **Returns:**
 
@@ -185,10 +226,12 @@ def context_attention(
         `T` or `S` is not divisible by the size of `axis` (with `causal` and the ring:
         by twice the size); `causal` with `T != S`; `"all_to_all"` with `H` not divisible
         by the size of `axis`; `mask` or `segment_ids` of the wrong shape, or
-        `segment_ids` with `T != S`.
+        `segment_ids` with `T != S`; `heads_axis` is not another axis of the mesh, or
+        does not divide the heads; `dropout_p` is outside [0, 1], or above 0 without a
+        `dropout_key`.
     - `TypeError`: if `mesh` is not a mesh, an input is not an array, `mask` is not
-        boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` is
-        not a number.
+        boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` or
+        `dropout_p` is not a number.
 
     !!! Example
 
@@ -221,7 +264,11 @@ def context_attention(
         mesh=mesh,
         axis=axis,
         strategy=strategy,
+        heads_axis=heads_axis,
+        dropout_p=dropout_p,
+        dropout_key=dropout_key,
     )
     dtype = jnp.result_type(query, key, value)
     program = _program(problem, mesh, dtype)
-    return program(query, key, value, mask, segment_ids)
+    drop = dropout_key if problem.dropout_p > 0 else None
+    return program(query, key, value, mask, segment_ids, drop)

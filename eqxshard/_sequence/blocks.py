@@ -7,6 +7,10 @@ softmax's running max `m` and sum `l` are `(B, G, R, Tq)` and its output sum `ac
 
 A query that may see no key (every key masked) gets the output 0 and zero gradients:
 its sum `l` stays 0, and `finish` writes 0 there instead of 0/0.
+
+Dropout on the attention weights (`Block.drop`) multiplies each weight by 0 or
+`1/(1-p)` in the weighted sum of the values only: the softmax's normaliser is the sum of
+the weights before dropout, as `softmax` then dropout computes it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,17 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+
+
+class Across(NamedTuple):
+    """How a strategy splits attention: over mesh `axis` of `size` devices, causal or
+    not, the scores scaled by `scale`, each weight dropped with probability `dropout`."""
+
+    axis: str
+    size: int
+    causal: bool
+    scale: float
+    dropout: float = 0.0
 
 
 class Block(NamedTuple):
@@ -32,6 +47,7 @@ class Block(NamedTuple):
     kpos: Any
     kseg: Any
     mask: Any
+    drop: Any = None  # `(B, G, R, Tq, Tk)`: each weight's dropout factor (`None`: no dropout)
 
     def part(self, rows: slice, cols: slice) -> Block:
         """The queries `rows` against the keys `cols` (static slices)."""
@@ -44,6 +60,7 @@ class Block(NamedTuple):
             self.kpos[cols],
             None if self.kseg is None else self.kseg[:, cols],
             None if self.mask is None else self.mask[:, rows, cols],
+            None if self.drop is None else self.drop[:, :, :, rows, cols],
         )
 
     def valid(self, causal: bool) -> Any:
@@ -96,7 +113,8 @@ def update(state: State, block: Block, *, causal: bool, scale: float) -> State:
     p = jnp.exp(s - base[..., None])
     shrink = jnp.exp(state.m - base)
     l = state.l * shrink + jnp.sum(p, axis=-1)  # noqa: E741
-    pv = jnp.einsum("bgrqk,bkgd->bgrqd", p, block.v, preferred_element_type=F32)
+    kept = p if block.drop is None else p * block.drop
+    pv = jnp.einsum("bgrqk,bkgd->bgrqd", kept, block.v, preferred_element_type=F32)
     return State(m, l, state.acc * shrink[..., None] + pv)
 
 
@@ -134,9 +152,42 @@ def grads(block: Block, dout: Any, lse: Any, delta: Any, *, causal: bool, scale:
     valid = block.valid(causal)
     if valid is not None:
         p = jnp.where(valid, p, 0.0)
-    dv = jnp.einsum("bgrqk,bgrqd->bkgd", p, dout, preferred_element_type=F32)
+    kept = p if block.drop is None else p * block.drop
+    dv = jnp.einsum("bgrqk,bgrqd->bkgd", kept, dout, preferred_element_type=F32)
     dp = jnp.einsum("bgrqd,bkgd->bgrqk", dout, block.v, preferred_element_type=F32)
+    if block.drop is not None:  # `delta` is still the row sum of `dout * out`
+        dp = dp * block.drop
     ds = p * (dp - delta[..., None]) * scale
     dq = jnp.einsum("bgrqk,bkgd->bqgrd", ds, block.k, preferred_element_type=F32)
     dk = jnp.einsum("bgrqk,bqgrd->bkgd", ds, block.q, preferred_element_type=F32)
     return Grads(dq, dk, dv)
+
+
+class Draw(NamedTuple):
+    """Where a device's dropout bits come from: the key, and the global indices of the
+    device's first example and first query head (its examples and heads follow)."""
+
+    key: Any
+    example: Any
+    head: Any
+
+
+def dropout_factors(draw: Draw, p: float, shape: tuple[int, ...], *blocks: Any) -> Any:
+    """Each attention weight's dropout factor, float32 of `shape` `(B, G, R, Tq, Tk)`: 0
+    with probability `p`, else `1/(1-p)`. Each example and query head draws its own bits
+    from the key folded with the indices `blocks` (the query and key blocks', or the
+    device's), then the example's and the head's global index: the same bits whichever
+    devices hold the examples and heads, and the same each time."""
+    b, g, r, tq, tk = shape
+    key = draw.key
+    for index in blocks:
+        key = jax.random.fold_in(key, index)
+
+    def one(example: Any, head: Any) -> Any:
+        mine = jax.random.fold_in(jax.random.fold_in(key, example), head)
+        return jax.random.bernoulli(mine, 1.0 - p, (tq, tk))
+
+    examples, heads = draw.example + jnp.arange(b), draw.head + jnp.arange(g * r)
+    keep = jax.vmap(lambda e: jax.vmap(lambda h: one(e, h))(heads))(examples)
+    keep = keep.reshape(b, g, r, tq, tk)
+    return jnp.where(keep, 1.0 / (1.0 - p) if p < 1 else 0.0, 0.0).astype(F32)

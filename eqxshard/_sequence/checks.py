@@ -32,6 +32,9 @@ class Problem:
     strategy: str
     causal: bool
     scale: float
+    heads_axis: str | None = None
+    heads_size: int = 1
+    dropout_p: float = 0.0
 
 
 def mesh_of(mesh: Any) -> Mesh | AbstractMesh:
@@ -63,6 +66,9 @@ def check(
     mesh: Mesh | AbstractMesh,
     axis: Any,
     strategy: Any,
+    heads_axis: Any = None,
+    dropout_p: Any = 0.0,
+    dropout_key: Any = None,
 ) -> Problem:
     if strategy not in STRATEGIES:
         raise ValueError(
@@ -87,7 +93,9 @@ def check(
     del width
     s = k[-3]
     size = int(dict(mesh.shape)[axis])
-    _check_lengths(t, s, heads, k[-2], axis, size, strategy, causal)
+    heads_size = _check_heads_axis(heads_axis, mesh, axis, heads, k[-2])
+    _check_lengths(t, s, heads // heads_size, k[-2], axis, size, strategy, causal)
+    dropout_p = _check_dropout(dropout_p, dropout_key)
     if mask is not None:
         _check_side("mask", mask, lead, (t, s), "(..., T, S)", jnp.bool_, "a boolean")
     if segment_ids is not None:
@@ -107,7 +115,61 @@ def check(
             f"`{VERB}(scale=...)` must be a Python number (or `None` for 1/sqrt(Dk)), got "
             f"{type(scale).__name__}."
         )
-    return Problem(lead, t, s, heads, k[-2], axis, size, strategy, bool(causal), float(scale))
+    return Problem(
+        lead,
+        t,
+        s,
+        heads,
+        k[-2],
+        axis,
+        size,
+        strategy,
+        bool(causal),
+        float(scale),
+        heads_axis,
+        heads_size,
+        dropout_p,
+    )
+
+
+def _check_heads_axis(
+    heads_axis: Any, mesh: Mesh | AbstractMesh, axis: str, heads: int, key_heads: int
+) -> int:
+    """The size of `heads_axis` (1 for `None`), checked."""
+    if heads_axis is None:
+        return 1
+    if not isinstance(heads_axis, str) or heads_axis not in mesh.axis_names or heads_axis == axis:
+        raise ValueError(
+            f"`{VERB}(heads_axis=...)` must name an axis of the mesh other than "
+            f"`axis={axis!r}` to split the heads over, or be `None`; got {heads_axis!r} and "
+            f"the mesh has the axes {list(mesh.axis_names)}."
+        )
+    size = int(dict(mesh.shape)[heads_axis])
+    if heads % size or key_heads % size:
+        raise ValueError(
+            f"`{VERB}(heads_axis={heads_axis!r})` splits the heads over an axis of size "
+            f"{size}, but `query` has {heads} heads and `key` {key_heads}: both must be "
+            f"multiples of {size}. Pass `heads_axis=None` (the heads whole on each device), "
+            "or use a head count the axis divides."
+        )
+    return size
+
+
+def _check_dropout(dropout_p: Any, dropout_key: Any) -> float:
+    """`dropout_p` as a float, checked with `dropout_key`."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, int | float | np.number):
+        raise TypeError(
+            f"`{VERB}(dropout_p=...)` must be a Python number in [0, 1], got "
+            f"{type(dropout_p).__name__}."
+        )
+    if not 0 <= dropout_p <= 1:
+        raise ValueError(f"`{VERB}(dropout_p=...)` must be in [0, 1], got {dropout_p}.")
+    if dropout_p > 0 and dropout_key is None:
+        raise ValueError(
+            f"`{VERB}(dropout_p={dropout_p})` drops attention weights at random and needs "
+            "`dropout_key` (a `jax.random.key`). Pass one, or `dropout_p=0`."
+        )
+    return float(dropout_p)
 
 
 def _check_heads(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> None:

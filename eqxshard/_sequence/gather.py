@@ -10,16 +10,20 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .blocks import Block, attend
+from .blocks import Across, Block, attend, dropout_factors
 
 
 def gather_attention(
-    axis: str, causal: bool, scale: float, q: Any, k: Any, v: Any, mask: Any, seg: Any
+    across: Across, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any = None
 ) -> Any:
-    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks."""
+    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
+    (`key`: where the dropout bits come from, a `Draw`; `None` without dropout)."""
+    axis, causal, scale, dropout = across.axis, across.causal, across.scale, across.dropout
     everything = jax.lax.all_gather((k, v, seg), axis, axis=1, tiled=True)
     k, v, kseg = everything
-    tq = q.shape[1]
-    qpos = jax.lax.axis_index(axis) * tq + jnp.arange(tq)
-    block = Block(q, qpos, seg, k, v, jnp.arange(k.shape[1]), kseg, mask)
+    (b, tq, g, r, _), s = q.shape, k.shape[1]
+    me = jax.lax.axis_index(axis)
+    qpos = me * tq + jnp.arange(tq)
+    drop = None if key is None else dropout_factors(key, dropout, (b, g, r, tq, s), me)
+    block = Block(q, qpos, seg, k, v, jnp.arange(s), kseg, mask, drop)
     return attend(block, causal=causal, scale=scale)

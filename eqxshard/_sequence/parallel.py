@@ -29,6 +29,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
     strategy: str = eqx.field(static=True)
     causal: bool = eqx.field(static=True)
     mesh: Mesh | AbstractMesh | None = eqx.field(static=True)
+    heads_axis: str | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         strategy: str,
         causal: bool,
         mesh: Mesh | AbstractMesh | None,
+        heads_axis: str | None = None,
     ):
         for field in dataclasses.fields(eqx.nn.MultiheadAttention):
             setattr(self, field.name, getattr(attention, field.name))
@@ -45,6 +47,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
         self.strategy = strategy
         self.causal = causal
         self.mesh = mesh
+        self.heads_axis = heads_axis
 
     def __call__(
         self,
@@ -63,8 +66,8 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
 
         Differences: a query whose `mask` row is all `False` gets 0 (the original averages
         every value); a mask per head takes the `"ring"` or `"all_gather"` strategy;
-        dropout on the attention weights is not applied, so an active one (`dropout_p > 0`
-        and not `inference`) is an error.
+        dropout on the attention weights keeps each with the same probability and scales
+        it the same way, but draws other bits from `key` than the original does.
         """
         if deterministic is not None:
             inference = deterministic
@@ -73,7 +76,7 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
                 "in favour of MultiheadAttention()(inference=...)",
                 stacklevel=2,
             )
-        self._check_dropout(inference)
+        dropout_p = self._dropout_p(inference, key)
         for name, x in (("query", query), ("key_", key_), ("value", value)):
             if jnp.ndim(x) != 2:
                 raise ValueError(
@@ -97,6 +100,8 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
             mesh=self.mesh,
             axis=self.axis,
             strategy=self.strategy,
+            dropout_p=dropout_p,
+            dropout_key=key if dropout_p > 0 else None,
         )
         if mask is not None and jnp.ndim(mask) == 3:  # one mask per head: heads lead
             if self.strategy == "all_to_all":
@@ -106,21 +111,26 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
                     f"(T, S) shared by the heads, or convert with `strategy='ring'`."
                 )
             heads = [jnp.moveaxis(x, 1, 0)[:, :, None, :] for x in (q, k, v)]
-            out = attend(*heads, mask=mask)
+            out = attend(*heads, mask=mask)  # the heads a batch dim: none to split
             out = jnp.moveaxis(out[:, :, 0, :], 0, 1)
         else:
-            out = attend(q, k, v, mask=mask)
+            out = attend(q, k, v, mask=mask, heads_axis=self.heads_axis)
         return jax.vmap(self.output_proj)(out.reshape(query.shape[0], -1))
 
-    def _check_dropout(self, inference: bool | None) -> None:
+    def _dropout_p(self, inference: bool | None, key: Any) -> float:
+        """The probability of dropping an attention weight in this call (0 in inference
+        mode); an active dropout without a `key` is an error, as in the original."""
         inference = self.dropout.inference if inference is None else inference
-        if self.dropout.p > 0 and not inference:
+        if inference or not self.dropout.p:
+            return 0.0
+        if key is None:
             raise ValueError(
-                f"`{VERB}`'s attention does not apply dropout to the attention weights, "
-                f"and this layer's is active (dropout_p={self.dropout.p}, inference=False). "
-                f"Build the `eqx.nn.MultiheadAttention` with `dropout_p=0`, or call it with "
-                f"`inference=True` (`eqx.nn.inference_mode(model)`)."
+                f"`{VERB}`'s attention drops attention weights at random (dropout_p="
+                f"{self.dropout.p}, inference=False) and needs a `key`. Call it with "
+                "`key=jax.random.key(...)`, or with `inference=True` "
+                "(`eqx.nn.inference_mode(model)`)."
             )
+        return float(self.dropout.p)
 
 
 def _is_attention(x: Any) -> bool:
@@ -128,19 +138,29 @@ def _is_attention(x: Any) -> bool:
 
 
 def convert(
-    tree: Any, *, axis: str, strategy: str, causal: bool, mesh: Mesh | AbstractMesh | None
+    tree: Any,
+    *,
+    axis: str,
+    strategy: str,
+    causal: bool,
+    mesh: Mesh | AbstractMesh | None,
+    heads_axis: str | None = None,
+    again: bool = True,
 ) -> tuple[Any, int]:
     """`tree` with each `eqx.nn.MultiheadAttention` converted (options unchecked), and how
     many were: `context_parallel` without its checks and warning, for a plan that
-    converts a model and its optimiser state."""
+    converts a model and its optimiser state. `again=False` leaves layers already
+    converted as they are (and does not count them)."""
     found = 0
 
     def one(x: Any) -> Any:
         nonlocal found
-        if not _is_attention(x):
+        if not _is_attention(x) or (not again and isinstance(x, ContextParallelAttention)):
             return x
         found += 1
-        return ContextParallelAttention(x, axis=axis, strategy=strategy, causal=causal, mesh=mesh)
+        return ContextParallelAttention(
+            x, axis=axis, strategy=strategy, causal=causal, mesh=mesh, heads_axis=heads_axis
+        )
 
     return jax.tree_util.tree_map(one, tree, is_leaf=_is_attention), found
 
@@ -152,6 +172,7 @@ def context_parallel(
     strategy: str = "ring",
     causal: bool = False,
     mesh: Mesh | AbstractMesh | None = None,
+    heads_axis: str | None = None,
 ) -> Any:
     """`model` with every `eqx.nn.MultiheadAttention` in it replaced by one that computes
     the same with the sequence split over the mesh axis `axis` (context parallelism), by
@@ -172,9 +193,12 @@ def context_parallel(
     Differences from the original, each by `context_attention`: a query whose mask row
     is all `False` gets 0 (the original averages every value); scores are computed in
     float32; a `mask` per head `(num_heads, T, S)` takes the `"ring"` or `"all_gather"`
-    strategy (`"all_to_all"` splits the heads: an error); dropout on the attention
-    weights is not applied, so calling a layer whose dropout is active (`dropout_p > 0`,
-    not in inference mode) raises an error.
+    strategy (`"all_to_all"` splits the heads: an error). Dropout on the attention
+    weights (`dropout_p > 0`, called with a `key` and not in inference mode) drops each
+    weight with the same probability and scales the kept ones by `1/(1 - dropout_p)`,
+    as the original does, but draws its bits otherwise (per block of the split sequence,
+    from `key`): the same `key` gives the same output each call, not the original's
+    output. In inference mode (or with `dropout_p=0`) the outputs are the original's.
 
     **Arguments:**
 
@@ -190,6 +214,10 @@ def context_parallel(
         masked half, which a causal `mask` passed by the model does not get.
     - `mesh`: the mesh whose axis `axis` splits the sequence. `None` (default): the mesh
         set by `jax.set_mesh` when the model is called.
+    - `heads_axis`: `None` (default), or a second mesh axis the heads are split over
+        (tensor parallelism, the projections' weights split over it by their output
+        dim): each device then attends its heads of its part of the sequence (see
+        `context_attention`). The heads must divide over it.
 
     **Returns:**
 
@@ -199,10 +227,12 @@ def context_parallel(
 
     - `ValueError`: if `strategy` is unknown, or `axis` is not an axis of `mesh` (or of
         the mesh set by `jax.set_mesh` when `mesh` is `None`). When a converted layer is
-        called: if its dropout is active, its inputs are batched (call it per example),
-        or it gets a mask per head with `"all_to_all"`; and `context_attention`'s errors
-        (a sequence length not divisible by the axis size, and the like).
-    - `TypeError`: if `axis` is not a string, `causal` not a bool, or `mesh` not a mesh.
+        called: if its dropout is active and it gets no `key`, its inputs are batched
+        (call it per example), or it gets a mask per head with `"all_to_all"`; and
+        `context_attention`'s errors (a sequence length not divisible by the axis size,
+        and the like).
+    - `TypeError`: if `axis` or `heads_axis` is not a string, `causal` not a bool, or
+        `mesh` not a mesh.
 
     **Warns:**
 
@@ -225,7 +255,14 @@ def context_parallel(
         ```
     """
     _check(axis=axis, strategy=strategy, causal=causal, mesh=mesh)
-    out, found = convert(model, axis=axis, strategy=strategy, causal=causal, mesh=mesh)
+    if heads_axis is not None and not isinstance(heads_axis, str):
+        raise TypeError(
+            f"`{VERB}(heads_axis=...)` must be a mesh axis name (a string) or `None`, got "
+            f"{type(heads_axis).__name__}."
+        )
+    out, found = convert(
+        model, axis=axis, strategy=strategy, causal=causal, mesh=mesh, heads_axis=heads_axis
+    )
     if not found:
         warnings.warn(
             f"`{VERB}` found no `eqx.nn.MultiheadAttention` in the model "

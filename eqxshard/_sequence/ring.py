@@ -15,40 +15,40 @@ home). Without it JAX would keep every step's scores for the backward pass: `T/C
 With `causal`, the blocks are in the zig-zag layout (see `zigzag`) and each step after the
 first computes only its unmasked half, chosen by `lax.switch`: the same work on every
 device.
+
+With dropout, each block's factors are drawn from the key folded with the indices of its
+query block (this device's) and its key block (the visiting one's home), for the whole
+block (a step that computes half of it takes that half): the backward pass draws the
+same ones again.
 """
 
 from __future__ import annotations
 
 import functools as ft
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .blocks import F32, Block, State, finish, grads, start, update
+from .blocks import F32, Across, Block, State, dropout_factors, finish, grads, start, update
 from .zigzag import from_zigzag, positions, to_zigzag
-
-
-class Ring(NamedTuple):
-    axis: str
-    size: int
-    causal: bool
-    scale: float
-
 
 # Which part of a step's queries x keys is computed (causal, zig-zag layout only).
 _ALL, _EARLY_KEYS, _LATE_QUERIES = 0, 1, 2
 
 
-def ring_attention(ring: Ring, q: Any, k: Any, v: Any, mask: Any, seg: Any) -> Any:
-    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks."""
+def ring_attention(
+    ring: Across, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any = None
+) -> Any:
+    """A device's attention output `(B, Tq, G, R, Dv)` float32, from its plain blocks
+    (`key`: where the dropout bits come from, a `Draw`; `None` without dropout)."""
     if not ring.causal:
-        return _ring(ring, q, k, v, mask, seg)
+        return _ring(ring, q, k, v, mask, seg, key)
     moved = [
         None if x is None else to_zigzag(x, axis=ring.axis, size=ring.size)
         for x in (q, k, v, mask, seg)
     ]
-    out = _ring(ring, *moved)
+    out = _ring(ring, *moved, key)
     return from_zigzag(out, axis=ring.axis, size=ring.size)
 
 
@@ -68,15 +68,18 @@ def _case(src: Any, me: Any) -> Any:
     return jnp.where(src < me, 0, 1)
 
 
-def _block(ring: Ring, me: Any, src: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, kseg: Any):
-    tq, tk = q.shape[1], k.shape[1]
+def _block(ring: Across, me: Any, src: Any, q, k, v, mask, seg, kseg, key) -> Block:
+    (b, tq, g, r, _), tk = q.shape, k.shape[1]
     qpos = positions(me, tq, size=ring.size, zigzag=ring.causal)
     kpos = positions(src, tk, size=ring.size, zigzag=ring.causal)
     cols = None if mask is None else jnp.take(mask, kpos, axis=2)
-    return Block(q, qpos, seg, k, v, kpos, kseg, cols)
+    drop = None
+    if key is not None:
+        drop = dropout_factors(key, ring.dropout, (b, g, r, tq, tk), me, src)
+    return Block(q, qpos, seg, k, v, kpos, kseg, cols, drop)
 
 
-def _each_case(ring: Ring, step: Any, src: Any, me: Any, run: Any, *args: Any) -> Any:
+def _each_case(ring: Across, step: Any, src: Any, me: Any, run: Any, *args: Any) -> Any:
     """`run(case, *args)` for this step's case: one call where it is known (not causal, or
     the first step: a device's own keys), else a `lax.switch`."""
     if not ring.causal or (isinstance(step, int) and step == 0):
@@ -85,19 +88,19 @@ def _each_case(ring: Ring, step: Any, src: Any, me: Any, run: Any, *args: Any) -
     return jax.lax.switch(_case(src, me), cases, *args)
 
 
-def _next(ring: Ring, xs: Any) -> Any:
+def _next(ring: Across, xs: Any) -> Any:
     perm = [(j, (j + 1) % ring.size) for j in range(ring.size)]
     return jax.tree.map(lambda x: jax.lax.ppermute(x, ring.axis, perm), xs)
 
 
-def _forward(ring: Ring, q, k, v, mask, seg) -> tuple[Any, Any]:
+def _forward(ring: Across, q, k, v, mask, seg, key) -> tuple[Any, Any]:
     me = jax.lax.axis_index(ring.axis)
     b, tq, g, r, _ = q.shape
 
     def fold(step: Any, state: State, travel: tuple) -> State:
         src = (me - step) % ring.size
         k, v, kseg = travel
-        block = _block(ring, me, src, q, k, v, mask, seg, kseg)
+        block = _block(ring, me, src, q, k, v, mask, seg, kseg, key)
 
         def run(case: int, state: State) -> State:
             rows, cols = _part(case, block)
@@ -135,17 +138,17 @@ def _set_rows(state: State, rows: slice, new: State) -> State:
 
 
 @ft.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(ring: Ring, q, k, v, mask, seg) -> Any:
-    return _forward(ring, q, k, v, mask, seg)[0]
+def _ring(ring: Across, q, k, v, mask, seg, key) -> Any:
+    return _forward(ring, q, k, v, mask, seg, key)[0]
 
 
-def _ring_fwd(ring: Ring, q, k, v, mask, seg) -> tuple[Any, tuple]:
-    out, lse = _forward(ring, q, k, v, mask, seg)
-    return out, (q, k, v, mask, seg, out, lse)
+def _ring_fwd(ring: Across, q, k, v, mask, seg, key) -> tuple[Any, tuple]:
+    out, lse = _forward(ring, q, k, v, mask, seg, key)
+    return out, (q, k, v, mask, seg, key, out, lse)
 
 
-def _ring_bwd(ring: Ring, res: tuple, dout: Any) -> tuple:
-    q, k, v, mask, seg, out, lse = res
+def _ring_bwd(ring: Across, res: tuple, dout: Any) -> tuple:
+    q, k, v, mask, seg, key, out, lse = res
     me = jax.lax.axis_index(ring.axis)
     dout = jnp.moveaxis(dout.astype(F32), 1, 3)  # (B, G, R, Tq, Dv), as the row stats
     delta = jnp.sum(dout * jnp.moveaxis(out, 1, 3), axis=-1)
@@ -154,7 +157,7 @@ def _ring_bwd(ring: Ring, res: tuple, dout: Any) -> tuple:
         """This step's gradients, each the shape of its whole block."""
         k, v, kseg = travel[:3]
         src = (me - step) % ring.size
-        block = _block(ring, me, src, q, k, v, mask, seg, kseg)
+        block = _block(ring, me, src, q, k, v, mask, seg, kseg, key)
 
         def run(case: int) -> tuple:
             rows, cols = _part(case, block)
@@ -174,7 +177,7 @@ def _ring_bwd(ring: Ring, res: tuple, dout: Any) -> tuple:
     dq, dk, dv = fold(0, (k, v, seg))  # outside the loop, as in `_forward`
     dq, travel = jax.lax.fori_loop(1, ring.size, body, (dq, (k, v, seg, dk, dv)))
     dk, dv = _next(ring, travel[3:])  # home: the block each device started with
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 def _whole(x: Any, part: slice) -> Any:

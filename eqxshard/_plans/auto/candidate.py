@@ -40,10 +40,12 @@ class Candidate:
         link takes `host_time` seconds per step (part of `time`).
     - `remat`: the rematerialisation policy of each `Stacked` layer by path (`{}`: none).
     - `pipeline`: `None`, or `{"axis": "stage", "microbatches": M, "repeats": R}`.
-    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
-        over that axis, the model's attention converted by `context_parallel`.
+    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}` (and `"heads_axis":
+        "model"` beside a `model` axis): the sequence split over that axis, the model's
+        attention converted by `context_parallel`.
     - `experts`: `None`, or `{"axis": "expert"}`: each `eqxshard.Experts` of the model
-        laid out over that axis (expert parallelism); `None`: run unsplit.
+        laid out over that axis (expert parallelism); `None`: no expert axis (a model's
+        `Experts` measured unsplit, every expert on every token).
     - `choice_note`, `budget_note`: before ranking, what a refined row chose (remat
         full on a stack, say) and how it stands against the budget (`"fits with 1.2 MiB
         to spare"`, `"still 3.0 KiB over"`), said before the rest of its `reason`;

@@ -73,27 +73,30 @@ def check_context(context: Any) -> dict[str, str] | None:
         return None
     good = (
         isinstance(context, dict)
-        and set(context) == {"axis", "strategy"}
+        and set(context) - {"heads_axis"} == {"axis", "strategy"}
         and isinstance(context["axis"], str)
+        and isinstance(context.get("heads_axis", ""), str)
         and context["strategy"] in CONTEXT_STRATEGIES
     )
     if not good:
         raise ValueError(
             "`Plan` takes `context` as None or a dict {'axis': mesh axis name, 'strategy': "
-            f"one of {', '.join(map(repr, CONTEXT_STRATEGIES))}}} (e.g. `{{'axis': 'context', "
+            f"one of {', '.join(map(repr, CONTEXT_STRATEGIES))}}}, and 'heads_axis': the axis "
+            "the heads are split over, where they are (e.g. `{'axis': 'context', "
             f"'strategy': 'ring'}}`), but got {context!r}."
         )
     return dict(context)
 
 
-def check_experts(experts: Any) -> dict[str, str] | None:
+def check_experts(experts: Any) -> dict[str, str | None] | None:
     """A plan's `experts` as stored; raises for any bad value."""
     if experts is None:
         return None
     good = isinstance(experts, dict) and set(experts) == {"axis"}
-    if not (good and isinstance(experts["axis"], str)):
+    if not (good and (experts["axis"] is None or isinstance(experts["axis"], str))):
         raise ValueError(
-            "`Plan` takes `experts` as None or a dict {'axis': mesh axis name} (e.g. "
+            "`Plan` takes `experts` as None (the model's `Experts` left as they are) or a "
+            "dict {'axis': mesh axis name, or None to run them unsplit} (e.g. "
             f"`{{'axis': 'expert'}}`), but got {experts!r}."
         )
     return dict(experts)

@@ -10,6 +10,10 @@ from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
+# The layout families `exclude=` may name, by the mesh axis each adds: a layout with that
+# axis (of more than one device) is left out.
+FAMILIES = {"data": "data", "fsdp": "fsdp", "tensor": "model"}
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:

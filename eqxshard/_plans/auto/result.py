@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
 import html
 from collections.abc import Callable
 from typing import Any
@@ -51,15 +52,18 @@ class Plan:
         `filter_pipeline` itself (`jit` then runs it with the mesh set; there is no
         `Stacked` to configure). A dict with those keys (what older `repr(plan)`s wrote) is
         still read, with a `DeprecationWarning`.
-    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}`: the sequence split
-        over that mesh axis; `apply`, `shard` and `init` convert the model's (and the
-        optimiser state's) `eqx.nn.MultiheadAttention` layers by `context_parallel`, and
-        `batch_spec` splits every batch leaf's dim 1 (the sequence) over it.
-    - `experts`: `None`, or `{"axis": "expert"}`: each `eqxshard.Experts` of the model
-        (and of the optimiser state) lays out its experts over that mesh axis (`apply`,
-        `shard` and `init` set its `axis` and `mesh`), the tokens dispatched to them by
-        `moe`; with `None`, a model's `Experts` are set to run unsplit (`axis=None`), as
-        `auto_plan` weighed the layouts without an expert axis.
+    - `context`: `None`, or `{"axis": "context", "strategy": "ring"}` (with
+        `"heads_axis": "model"` where the heads split over a `model` axis too): the
+        sequence split over that mesh axis; `apply`, `shard`, `init` and `jit` convert
+        the model's (and the optimiser state's) `eqx.nn.MultiheadAttention` layers by
+        `context_parallel` with these options, and `batch_spec` splits every batch
+        leaf's dim 1 (the sequence) over it.
+    - `experts`: `None`, `{"axis": "expert"}` or `{"axis": None}`: with an axis, each
+        `eqxshard.Experts` of the model (and of the optimiser state) lays out its experts
+        over that mesh axis (`apply`, `shard`, `init` and `jit` set its `axis` and
+        `mesh`), the tokens dispatched to them by `moe`; `{"axis": None}` runs them
+        unsplit (what `auto_plan` measured for its layouts without an expert axis, on a
+        model holding `Experts`); `None` leaves a model's `Experts` as they are.
 
     `print(plan)` shows the table; a notebook shows it as HTML, with a chart of each
     candidate's bytes per device against the budget. `repr(plan)` is Python that builds
@@ -77,7 +81,7 @@ class Plan:
     offload: tuple[str, ...]
     pipeline: Pipeline | None
     context: dict[str, str] | None
-    experts: dict[str, str] | None
+    experts: dict[str, str | None] | None
 
     def __init__(
         self,
@@ -90,7 +94,7 @@ class Plan:
         offload: tuple[str, ...] = (),
         pipeline: Pipeline | dict[str, Any] | None = None,
         context: dict[str, str] | None = None,
-        experts: dict[str, str] | None = None,
+        experts: dict[str, str | None] | None = None,
     ):
         if isinstance(mesh, dict):
             mesh = mesh_for(mesh)
@@ -197,14 +201,16 @@ class Plan:
         model = use.configured(verb, model, mesh, self.remat, self._pipeline_options)
         return self._converted(model, mesh)
 
-    def _converted(self, tree: Any, mesh: Mesh) -> Any:
-        """`tree` with its `Experts` set to the plan's `experts`, and its attention
-        converted by the plan's `context` (if any)."""
-        axis = None if self.experts is None else self.experts["axis"]
-        tree = configured_experts(tree, axis=axis, mesh=None if axis is None else mesh)
+    def _converted(self, tree: Any, mesh: Mesh, *, again: bool = True) -> Any:
+        """`tree` with its `Experts` set to the plan's `experts` (if any), and its
+        attention converted by the plan's `context` (if any); `again=False` leaves
+        layers already converted as they are."""
+        if self.experts is not None:
+            axis = self.experts["axis"]
+            tree = configured_experts(tree, axis=axis, mesh=None if axis is None else mesh)
         if self.context is None or tree is None:
             return tree
-        return convert(tree, **self.context, causal=False, mesh=mesh)[0]
+        return convert(tree, **self.context, causal=False, mesh=mesh, again=again)[0]
 
     @property
     def _pipeline_options(self) -> dict[str, Any] | None:
@@ -241,6 +247,11 @@ class Plan:
         model and the optimiser state laid out by `plan.rules` (in and out) and donated,
         the batch by `plan.batch_spec`. Inputs in another layout are moved first (one
         batched transfer), so the model of `plan.init` or `plan.shard` goes in as it is.
+        With a `context`, each call first converts the `eqx.nn.MultiheadAttention`
+        layers of the model and the optimiser state that are not converted yet, as
+        `apply` does (a walk over the tree, no copy of an array; layers already
+        converted, by the plan or by `context_parallel` with other options, are kept):
+        a model made elsewhere goes in as it is too, and the step returns it converted.
 
         **Arguments:**
 
@@ -292,8 +303,11 @@ class Plan:
             raise TypeError(f"`Plan.jit` takes `donate` as a bool, but got {donate!r}.")
         mesh = self._concrete_mesh("jit")
         in_step = use.in_step(self._pipeline_options)
+        convert = None
+        if self.context is not None or self.experts is not None:
+            convert = ft.partial(self._converted, mesh=mesh, again=False)
         return use.PlanStep(
-            step, mesh, self.rules, self.batch_spec, donate, self._offloads_state, in_step
+            step, mesh, self.rules, self.batch_spec, donate, self._offloads_state, in_step, convert
         )
 
     def apply(self, model: Any) -> Any:
@@ -302,7 +316,7 @@ class Plan:
         layers pipelined over the plan's mesh axis in that many microbatches, GPipe for
         `repeats=1`, circular above), its `eqx.nn.MultiheadAttention` layers converted
         by `context_parallel` with a `context`, its `Experts` set to the plan's `experts`
-        (their `axis` and `mesh`; unsplit without), then its array leaves placed by
+        (their `axis` and `mesh`, or unsplit), then its array leaves placed by
         `plan.rules` over `plan.mesh`. A plan without such choices only places the model.
         `shard` lays out the optimiser state and the batch too (its model is this one).
 
@@ -339,7 +353,13 @@ class Plan:
             f"offload {', '.join(self.offload)}" if self.offload else "",
             f"pipeline over {self.pipeline.axis!r}" if self.pipeline else "",
             f"sequence over {self.context['axis']!r}" if self.context else "",
-            f"experts over {self.experts['axis']!r}" if self.experts else "",
+            (
+                ""
+                if self.experts is None
+                else f"experts over {self.experts['axis']!r}"
+                if self.experts["axis"]
+                else "experts unsplit"
+            ),
         ]
         said = "".join(f", {m}" for m in more if m)
         return (

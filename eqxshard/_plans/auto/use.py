@@ -48,9 +48,11 @@ class PlanStep:
         donate: bool,
         offload: bool,
         mesh_set: bool = False,
+        convert: Callable[[Any], Any] | None = None,
     ):
         self._step, self._mesh, self._rules, self._batch_spec = step, mesh, rules, batch_spec
         self._mesh_set = mesh_set
+        self._convert = convert
         self._donate = (True, True, False) if donate else "none"
         self._offload = offload
         self._train = filter_jit(
@@ -104,13 +106,23 @@ class PlanStep:
         `mesh=`, it runs on the mesh set); a context that does nothing otherwise."""
         return with_mesh_set(self._mesh) if self._mesh_set else contextlib.nullcontext()
 
+    def _converted(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments with the plan's `convert` applied to each (the model and the
+        optimiser state as the plan runs them), before the step traces."""
+        if self._convert is None:
+            return args, kwargs
+        convert = self._convert
+        return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._converted(args, kwargs)
         with self._context():
             return self._pick(args, kwargs)(*args, **kwargs)
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """As `filter_jit`'s `lower`: `.compile().memory_analysis()` gives the bytes per
         device of the step as it runs."""
+        args, kwargs = self._converted(args, kwargs)
         with self._context():
             return self._pick(args, kwargs).lower(*args, **kwargs)
 

@@ -1,45 +1,61 @@
 """The context dimension: a `context` mesh axis splitting the sequence (context
 parallelism) of a model whose attention `context_parallel` converts (its
-`eqx.nn.MultiheadAttention` layers), over `context` alone or `data x context`.
+`eqx.nn.MultiheadAttention` layers), beside the data, fsdp and tensor-parallel axes.
 
-It refines: once the other layouts are measured, each mesh with a `context` axis is
+It refines: once the other layouts are measured, each layout with a `context` axis is
 compiled with the model converted (`context_parallel`, the ring strategy) and every batch
-leaf laid out `P(data, "context")` (its dim 1 the sequence); each row says what the split
-saves against the smallest unsplit row and what its collectives send. The chosen row's
-`context` (`{"axis": "context", "strategy": "ring"}`) is what `Plan.apply` converts by.
-Parameters are replicated on these meshes (no `fsdp` or `model` axis beside `context`),
-and meshes above `compile_limit` are not weighed (their rows say so): no smaller mesh
-stands in for them yet.
+leaf laid out `P(data axes, "context")` (its dim 1 the sequence). Its layouts are, for
+each size `C` of the `context` axis, every built-in layout of the other devices
+(`data_fsdp_tensor`: DP, FSDP, TP, their products) with the `context` axis added and the
+layout's rule kept: parameters replicated, split over `fsdp`, or their matmuls split over
+`model`, where the heads then split too (`heads_axis="model"`: each device attends its
+heads of its part of the sequence; a layout whose heads do not divide is a row saying
+so). Each row says what the split saves against the smallest unsplit row and what its
+collectives send. The chosen row's `context` (`{"axis": "context", "strategy": "ring"}`,
+with `"heads_axis": "model"` beside a `model` axis) is what `Plan.apply` and `Plan.jit`
+convert by.
+
+What it does not weigh, each a row saying so where it applies: a `context` axis beside a
+pipeline's `stage` axis (the ring's `shard_map` does not lower nested in the pipeline's);
+meshes above `compile_limit` (no smaller mesh stands in for them yet). Nor does it weigh
+the other strategies (`all_gather`, `all_to_all`), the causal balance (the model's own
+causal mask is kept as it is), the user's `rules`, or remat and offload on these layouts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools as ft
+import math
 from typing import Any
 
+import equinox as eqx
 import jax
 from jax.sharding import PartitionSpec as P
 
 from ...._sequence.parallel import convert
-from ...._tree import format_bytes, is_array_like
-from ...rules import as_rule
-from ..candidate import Candidate, not_compiled
-from ..layout import Layout, batch_spec
-from ..measure import jobs
+from ...._tree import is_array_like
+from ..layout import FAMILIES, Layout, batch_axes, batch_spec
 from ..measure.cache import ProblemKey
-from ..measure.compiled import step_arguments
-from ..meshes import mesh_for
 from ..trace.problem import Problem
-from ..view import mesh_str
-from .base import Dimension, Measured, Search
+from . import data_fsdp_tensor
+from .base import Search
+from .split_rows import Converting, Split
 
 AXIS = "context"
 STRATEGY = "ring"
 
 
+HEADS = "model"  # the tensor-parallel axis, which splits the heads where it is
+
+
 def options(shape: dict[str, int]) -> dict[str, str] | None:
-    """A plan's `context` for a mesh of `shape`: how `Plan.apply` converts the model."""
-    return {"axis": AXIS, "strategy": STRATEGY} if shape.get(AXIS, 1) > 1 else None
+    """A plan's `context` for a mesh of `shape`: how `Plan.apply` converts the model (with
+    a `model` axis, the heads split over it: `heads_axis`)."""
+    if shape.get(AXIS, 1) == 1:
+        return None
+    heads = {"heads_axis": HEADS} if shape.get(HEADS, 1) > 1 else {}
+    return {"axis": AXIS, "strategy": STRATEGY, **heads}
 
 
 def sequence_spec(shape: dict[str, int]) -> P:
@@ -63,107 +79,105 @@ def _leaves(tree: Any) -> list[Any]:
     return [x for x in jax.tree.leaves(tree, is_leaf=is_array_like) if is_array_like(x)]
 
 
-def shapes(devices: int, batch: int, length: int) -> list[tuple[dict[str, int], str]]:
-    """The meshes with a `context` axis, `data x context` for each split of the devices,
-    each with why it cannot run (`""` where the batch splits over `data` and the
-    sequence over `context`)."""
+def layouts(model: Any, devices: int, batch: int, length: int) -> list[tuple[Layout, str]]:
+    """The layouts with a `context` axis: for each size `C` of it that divides the
+    devices, every built-in layout of the other `devices / C` (data parallel, FSDP,
+    tensor parallel and their products, as `data_fsdp_tensor` builds them) with the
+    `context` axis added beside its axes and its rule kept; each with why it cannot run
+    (`""` where the batch splits over the data axes and the sequence over `context`)."""
     out = []
     for context in range(2, devices + 1):
         if devices % context:
             continue
-        data = devices // context
-        shape = {"data": data, AXIS: context} if data > 1 else {AXIS: context}
-        why = ""
-        if length % context:
-            why = f"the sequence of {length} does not split over {context} devices ({AXIS})"
-        elif batch % data:
-            why = f"the batch of {batch} does not split over {data} devices (data)"
-        out.append((shape, why))
+        for rest in data_fsdp_tensor.layouts(model, devices // context, []):
+            shape = {a: s for a, s in rest.shape.items() if s > 1}
+            shape = _with_context(shape, context)
+            name = f"{rest.name} x context" if rest.devices > 1 else AXIS
+            data = math.prod(shape.get(a, 1) for a in batch_axes(shape))
+            why = ""
+            if length % context:
+                why = f"the sequence of {length} does not split over {context} devices ({AXIS})"
+            elif batch % data:
+                axes = " x ".join(batch_axes(shape))
+                why = f"the batch of {batch} does not split over {data} devices ({axes})"
+            out.append((dataclasses.replace(rest, name=name, shape=shape), why))
     return out
 
 
-def converted(problem: Problem) -> tuple[Problem, int]:
-    """`problem` with the model's (and the optimiser state's) attention converted, and
-    how many layers were."""
-    model, count = convert(problem.model, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None)
+def _with_context(shape: dict[str, int], context: int) -> dict[str, int]:
+    """`shape` with a `context` axis after its data and fsdp axes, before `model` (the
+    tensor-parallel axis, whose collectives come in every layer, stays innermost)."""
+    outer = {a: s for a, s in shape.items() if a != "model"}
+    inner = {a: s for a, s in shape.items() if a == "model"}
+    return {**outer, AXIS: context, **inner}
+
+
+def converted(problem: Problem, heads_axis: str | None = None) -> tuple[Problem, int]:
+    """`problem` with the model's (and the optimiser state's) attention converted (the
+    heads split over `heads_axis`, if any), and how many layers were."""
+    how = ft.partial(
+        convert, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None, heads_axis=heads_axis
+    )
+    model, count = how(problem.model)
     state = problem.opt_state
     if state is not None:
-        state, _ = convert(state, axis=AXIS, strategy=STRATEGY, causal=False, mesh=None)
+        state, _ = how(state)
     return dataclasses.replace(problem, model=model, opt_state=state), count
 
 
-def _described(c: Candidate, unsplit: Candidate | None) -> Candidate:
-    """`c` saying what the split saves and what its collectives cost."""
-    sent = c.collectives.get("collective-permute", 0)
-    said = f"sequence split {c.mesh_shape[AXIS]} ways over `{AXIS}` ({STRATEGY})"
-    if c.total_bytes is not None and unsplit is not None and unsplit.total_bytes is not None:
-        saved = unsplit.total_bytes - c.total_bytes
-        where = f"{unsplit.name} on {mesh_str(unsplit.mesh_shape)}"
-        said += (
-            f": {format_bytes(abs(saved))} per device {'less' if saved >= 0 else 'more'} "
-            f"than the smallest unsplit layout ({where})"
-        )
-    if c.time is not None:
-        said += f"; keys and values passed round send {format_bytes(sent)} per device"
-        total = sum(c.collectives.values())
-        if total > sent:
-            said += f" ({format_bytes(total)} with the other collectives)"
-    return dataclasses.replace(c, reason=f"{c.reason}; {said}" if c.reason else said)
+def _heads_left_whole(model: Any, size: int) -> list[int]:
+    """The head counts of the model's attention layers that do not split over `size`."""
+    layers = jax.tree.leaves(model, is_leaf=lambda x: isinstance(x, eqx.nn.MultiheadAttention))
+    attention = [m for m in layers if isinstance(m, eqx.nn.MultiheadAttention)]
+    return sorted({m.num_heads for m in attention if m.num_heads % size})
 
 
-class Context(Dimension):
+def _beside_stages(search: Search, length: int) -> list[Layout]:
+    """For each size of stage axis a pipeline row has, the layout with a `context` axis
+    over the other devices (the stage row's rules): not weighed (`STAGE_WHY`)."""
+    devices, out = search.traced.devices, {}
+    for c in search.measured.rows:
+        stages = c.mesh_shape.get("stage", 1)
+        context = devices // stages
+        if c.pipeline and stages > 1 and context > 1 and length % context == 0:
+            shape = {"stage": stages, AXIS: context}
+            out.setdefault(stages, Layout("PP x context", shape, c.rules))
+    return list(out.values())
+
+
+STAGE_WHY = (
+    "not weighed: the ring's `shard_map` over `context` does not lower nested in the "
+    "pipeline's over `stage` (JAX 0.10, Shardy)"
+)
+
+
+class Context(Converting):
     """A `context` axis for models with `eqx.nn.MultiheadAttention`: the sequence split,
     weighed once the other layouts are measured (see the module's docstring)."""
 
-    name = "context"
+    name = field = axis = AXIS
+    options = staticmethod(options)
+    split = f"sequence split {{size}} ways over `{AXIS}` ({STRATEGY})"
+    collective, sending = "collective-permute", "keys and values passed round send"
 
-    def choices(self, layout: Layout) -> dict[str, Any]:
-        return {"context": options(layout.shape)}
-
-    def refine(self, search: Search) -> Measured:
-        traced, measured = search.traced, search.measured
-        length = _sequence_length(traced.problem.batch)
-        if traced.own is not None or length is None:
-            return measured
+    def splits(self, search: Search) -> list[Split]:
+        length = _sequence_length(search.traced.problem.batch)
+        if length is None:
+            return []
+        traced = search.traced
         problem, count = converted(traced.problem)
         if not count:
-            return measured
-        # Its own key (the converted model's step), kept in memory only: the disk cache's
-        # entries are named by the unconverted step's jaxpr.
-        problem_key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY))
-        todo, left_out = [], []
-        for shape, why in shapes(traced.devices, traced.batch_size, length):
-            name = "DP x context" if "data" in shape else "context"
-            layout = Layout(name, shape, as_rule(P(), "auto_plan"))
-            if traced.devices > traced.reach:
-                why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
-            if why:
-                left_out.append(search.with_choices(not_compiled(layout, why), layout))
-            else:
-                todo.append(self._laid_out(search, problem, layout))
-        compile_ = [job for job in todo if job.placed is not None]
-        jobs.measure_all(
-            problem, problem_key, compile_, local=traced.local, progress=traced.progress
-        )
-        unsplit = [c for c in measured.rows if c.total_bytes is not None and c.time is not None]
-        smallest = min(unsplit, key=lambda c: c.total_bytes or 0, default=None)
-        rows = [_described(search.row(job), smallest) for job in todo]
-        return Measured(measured.jobs, measured.rows + tuple(rows + left_out))
-
-    @staticmethod
-    def _laid_out(search: Search, problem: Problem, layout: Layout) -> jobs.Job:
-        """`layout` laid out with the converted model, the batch's sequence over `context`,
-        and the mesh set while the step traces (the converted layers find it there)."""
-        traced = search.traced
-        mesh = mesh_for(layout.shape, traced.available)
-        spec = sequence_spec(layout.shape)
-        try:
-            placed = step_arguments(problem, mesh, layout.rules, problem.batch, spec)
-        except (ValueError, TypeError) as e:
-            return jobs.Job(layout, {}, rejected=" ".join(str(e).split())[:300])
-        placed = dataclasses.replace(placed, mesh_set=mesh)
-        exact = {"parameters": placed.parameters}
-        if problem.trains:
-            exact |= {"gradients": placed.gradients, "optimizer state": placed.opt_state}
-        exact["batch"] = placed.batch
-        return jobs.Job(layout, exact, dict(layout.shape), placed)
+            return []
+        excluded = {FAMILIES[n] for n in traced.exclude if n in FAMILIES}
+        out = []
+        for layout, why in layouts(problem.model, traced.devices, traced.batch_size, length):
+            if any(layout.shape.get(a, 1) > 1 for a in excluded):
+                continue
+            heads = (options(layout.shape) or {}).get("heads_axis")
+            whole = _heads_left_whole(problem.model, layout.shape.get(HEADS, 1))
+            if heads and whole and not why:
+                why = f"attention of {whole[0]} heads does not split over {HEADS}"
+            step = converted(traced.problem, heads)[0]
+            key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, heads))
+            out.append(Split(layout, why, step, key, sequence_spec(layout.shape)))
+        return out + [Split(layout, STAGE_WHY) for layout in _beside_stages(search, length)]

@@ -18,23 +18,17 @@ is what `Plan.apply` sets the `Experts` to. Meshes above `compile_limit` are not
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from jax.sharding import PartitionSpec as P
 
 from ...._experts.module import configured
-from ...._tree import format_bytes
 from ...experts import expert_counts, experts
 from ...fsdp import fsdp
-from ..candidate import Candidate, not_compiled
 from ..layout import Layout, batch_spec
-from ..measure import jobs
 from ..measure.cache import ProblemKey
-from ..measure.compiled import step_arguments
-from ..meshes import mesh_for
 from ..trace.problem import Problem
-from ..view import mesh_str
-from .base import Dimension, Measured, Search
+from .base import Search
+from .split_rows import Converting, Split
 
 AXIS = "expert"
 
@@ -70,81 +64,27 @@ def converted(problem: Problem) -> Problem:
     return dataclasses.replace(problem, model=model, opt_state=state)
 
 
-def _described(c: Candidate, unsplit: Candidate | None) -> Candidate:
-    """`c` saying what the split saves and what the dispatch sends."""
-    said = f"experts split {c.mesh_shape[AXIS]} ways over `{AXIS}`"
-    if c.total_bytes is not None and unsplit is not None and unsplit.total_bytes is not None:
-        saved = unsplit.total_bytes - c.total_bytes
-        where = f"{unsplit.name} on {mesh_str(unsplit.mesh_shape)}"
-        said += (
-            f": {format_bytes(abs(saved))} per device {'less' if saved >= 0 else 'more'} "
-            f"than the smallest unsplit layout ({where})"
-        )
-    if c.time is not None:
-        sent = c.collectives.get("all-to-all", 0)
-        said += f"; the dispatch's all-to-alls send {format_bytes(sent)} per device"
-        total = sum(c.collectives.values())
-        if total > sent:
-            said += f" ({format_bytes(total)} with the other collectives)"
-    return dataclasses.replace(c, reason=f"{c.reason}; {said}" if c.reason else said)
-
-
-class ExpertParallel(Dimension):
+class ExpertParallel(Converting):
     """An `expert` axis for models holding `Experts`: each layer's experts split over it,
     weighed once the other layouts are measured (see the module's docstring)."""
 
-    name = "experts"
+    name = field = "experts"
+    axis = AXIS
+    options = staticmethod(options)
+    split = f"experts split {{size}} ways over `{AXIS}`"
+    collective, sending = "all-to-all", "the dispatch's all-to-alls send"
 
-    def choices(self, layout: Layout) -> dict[str, Any]:
-        return {"experts": options(layout.shape)}
-
-    def refine(self, search: Search) -> Measured:
-        traced, measured = search.traced, search.measured
-        counts = expert_counts(traced.problem.model)
-        if traced.own is not None or not counts:
-            return measured
+    def splits(self, search: Search) -> list[Split]:
+        counts = expert_counts(search.traced.problem.model)
+        if not counts:
+            return []
+        traced = search.traced
         problem = converted(traced.problem)
-        # Its own key (the converted model's step), kept in memory only: the disk cache's
-        # entries are named by the unconverted step's jaxpr.
-        problem_key = ProblemKey((traced.problem_key.key, AXIS))
-        todo, left_out = [], []
-        for layout, why in layouts(traced.devices, counts, traced.batch_size):
-            if any(axis in traced.exclude for axis in layout.shape):  # `exclude=("fsdp",)`
-                continue
-            if traced.devices > traced.reach:
-                why = f"not weighed: more devices than `compile_limit` ({traced.reach})"
-            if why:
-                left_out.append(search.with_choices(not_compiled(layout, why), layout))
-            else:
-                todo.append(_laid_out(search, problem, layout))
-        compile_ = [job for job in todo if job.placed is not None]
-        jobs.measure_all(
-            problem, problem_key, compile_, local=traced.local, progress=traced.progress
-        )
-        # The rows to compare with: layouts as compiled, not their offload or remat variants.
-        unsplit = [
-            c
-            for c in measured.rows
-            if c.total_bytes is not None and c.time is not None and not (c.offload or c.remat)
+        key = ProblemKey((traced.problem_key.key, AXIS))
+        # The batch over every axis: outside the experts, the `expert` devices run the
+        # model data-parallel.
+        return [
+            Split(layout, why, problem, key, batch_spec(layout.shape))
+            for layout, why in layouts(traced.devices, counts, traced.batch_size)
+            if not any(axis in traced.exclude for axis in layout.shape)  # `exclude=("fsdp",)`
         ]
-        smallest = min(unsplit, key=lambda c: c.total_bytes or 0, default=None)
-        rows = [_described(search.row(job), smallest) for job in todo]
-        return Measured(measured.jobs, measured.rows + tuple(rows + left_out))
-
-
-def _laid_out(search: Search, problem: Problem, layout: Layout) -> jobs.Job:
-    """`layout` laid out with the `Experts` over `expert`, the batch over every axis, and
-    the mesh set while the step traces (the `Experts` find it there)."""
-    traced = search.traced
-    mesh = mesh_for(layout.shape, traced.available)
-    try:
-        spec = batch_spec(layout.shape)
-        placed = step_arguments(problem, mesh, layout.rules, problem.batch, spec)
-    except (ValueError, TypeError) as e:
-        return jobs.Job(layout, {}, rejected=" ".join(str(e).split())[:300])
-    placed = dataclasses.replace(placed, mesh_set=mesh)
-    exact = {"parameters": placed.parameters}
-    if problem.trains:
-        exact |= {"gradients": placed.gradients, "optimizer state": placed.opt_state}
-    exact["batch"] = placed.batch
-    return jobs.Job(layout, exact, dict(layout.shape), placed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..layout import FAMILIES as FAMILIES
 from .base import Dimension
 from .context import Context
 from .data_fsdp_tensor import DataFsdpTensor
@@ -28,10 +29,6 @@ DIMENSIONS: tuple[Dimension, ...] = (
     Context(),
     ExpertParallel(),
 )
-
-# The layout families `exclude=` may name, by the mesh axis each adds: a layout with that
-# axis (of more than one device) is left out.
-FAMILIES = {"data": "data", "fsdp": "fsdp", "tensor": "model"}
 
 
 def excluded(exclude: Any) -> frozenset[str]:

@@ -3,6 +3,7 @@ dimensions that chose it, and the `Plan` of the first row."""
 
 from __future__ import annotations
 
+from ...experts import expert_counts
 from ...pipeline_choice import of_options
 from ..dimensions.base import Search
 from ..dimensions.context import sequence_spec
@@ -20,6 +21,9 @@ def rank(search: Search) -> Plan:
     for dimension in search.dimensions:
         table = dimension.explain(table, traced)
     chosen = table[0]
+    experts: dict[str, str | None] | None = dict(chosen.experts) if chosen.experts else None
+    if experts is None and expert_counts(traced.problem.model):
+        experts = {"axis": None}  # as the trace phase set them: each layout measured so
     return Plan(
         mesh=mesh_for(chosen.mesh_shape, traced.available),
         rules=chosen.rules,
@@ -30,5 +34,5 @@ def rank(search: Search) -> Plan:
         remat=chosen.remat,
         pipeline=of_options(chosen.pipeline),
         context=chosen.context,
-        experts=chosen.experts,
+        experts=experts,
     )
