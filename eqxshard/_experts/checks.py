@@ -84,7 +84,7 @@ def _mesh(mesh: Any, verb: str) -> Mesh | AbstractMesh:
             )
     if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise TypeError(f"`{verb}` takes `mesh` as a `jax.sharding.Mesh`, but got {mesh!r}.")
-    return mesh
+    return _compat.nested_mesh(mesh)  # inside a pipeline's stage: the mesh JAX has there
 
 
 def _token_axes(data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str) -> tuple[str, ...]:

@@ -40,7 +40,9 @@ def _build(expert: Callable[..., Any], static: Any, p: Problem) -> Callable[...,
 
             params = jax.tree.map(to, params, specs)
             x, indices, weights = (to(a, tokens) for a in (x, indices, weights))
-        mapped = jax.shard_map(
+        # Nested in a pipeline's `shard_map` over its stage axis, its backward pass
+        # recomputes the dispatch (`_compat.nested_shard_map` says why).
+        mapped = _compat.nested_shard_map(
             body,
             mesh=p.mesh,
             in_specs=(specs, tokens, tokens, tokens),

@@ -80,7 +80,9 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         specs = (split_heads, split_heads, split_heads, split, split)
         args = _laid_out(args, mesh, specs)
         mapped = (*batch, *([heads] if heads else []))
-        body: Any = jax.shard_map(
+        # Nested in a pipeline's `shard_map` over its stage axis, its backward pass
+        # recomputes the attention (`_compat.nested_shard_map` says why).
+        body: Any = _compat.nested_shard_map(
             ft.partial(per_device, batch),
             mesh=mesh,
             in_specs=(

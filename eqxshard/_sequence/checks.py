@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
+from .. import _compat
 from .._placement.targets import given_mesh
 
 VERB = "context_attention"
@@ -38,8 +39,9 @@ class Problem:
 
 
 def mesh_of(mesh: Any) -> Mesh | AbstractMesh:
-    """`mesh`, or the mesh set by `jax.set_mesh`."""
-    return given_mesh(VERB, mesh)
+    """`mesh`, or the mesh set by `jax.set_mesh`; inside an outer `shard_map` over it (a
+    pipeline's stage), the abstract mesh JAX has in context there."""
+    return _compat.nested_mesh(given_mesh(VERB, mesh))
 
 
 def _shape(name: str, x: Any, ndim: int, dims: str) -> tuple[int, ...]:
