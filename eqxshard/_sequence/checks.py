@@ -134,6 +134,19 @@ def check(
     )
 
 
+def check_manual_heads(heads_axis: Any, manual: frozenset[str], axis: str) -> None:
+    """Inside a `shard_map` Manual over `axis`, a `heads_axis` must be Manual there too
+    (each device then holds its heads)."""
+    if heads_axis is not None and heads_axis not in manual:
+        raise ValueError(
+            f"`{VERB}` was called inside a `shard_map` over mesh axis {axis!r}, whose blocks "
+            f"it attends where they are, with `heads_axis={heads_axis!r}`, which that "
+            f"`shard_map` leaves to the compiler (its Manual axes: {sorted(manual)}). Map "
+            f"the `shard_map` over {heads_axis!r} too (each device holding its heads), or "
+            "pass `heads_axis=None`."
+        )
+
+
 def _check_heads_axis(
     heads_axis: Any, mesh: Mesh | AbstractMesh, axis: str, heads: int, key_heads: int
 ) -> int:

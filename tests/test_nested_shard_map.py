@@ -1,8 +1,11 @@
-"""`context_attention` and `Experts` inside a pipelined `Stacked`: their `shard_map` over
-`context` / `expert` nested in the pipeline's over `stage`. The forward pass and the
-gradients (whose lowering JAX gets wrong for a nested `shard_map`, see
-`eqxshard._compat.nested`) are one device's, on `(stage=2, context=4)` and
-`(stage=2, expert=4)`, with the mesh set or given to the layers."""
+"""`context_attention` and `Experts` nested in a `shard_map`.
+
+Inside a pipelined `Stacked` (their `shard_map` over `context` / `expert` nested in the
+pipeline's over `stage`), the forward pass and the gradients (whose lowering JAX gets
+wrong for a nested `shard_map`, see `eqxshard._compat.nested`) are one device's, on
+`(stage=2, context=4)` and `(stage=2, expert=4)`, with the mesh set or given to the
+layers. Inside a `shard_map` already Manual over `context`, `context_attention` attends
+each device's blocks where they are."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
 from eqxshard._experts.module import configured
@@ -101,3 +104,50 @@ def test_experts_in_a_pipelined_stack_have_one_devices_gradients(given):
     _close(value, value_ref)
     _close(eqx.filter(grads, eqx.is_array), eqx.filter(grads_ref, eqx.is_array))
     _close(gx, jax.grad(loss, argnums=1)(plain, x))
+
+
+@pytest.mark.parametrize(("strategy", "causal"), [("ring", True), ("all_to_all", False)])
+def test_context_attention_inside_a_shard_map_over_its_axis_attends_the_blocks_there(
+    strategy, causal
+):
+    # Inside `filter_shard_map` Manual over ('data', 'context'), each device holds its
+    # examples' block of the sequence: `context_attention` attends those blocks where they
+    # are (no `shard_map` of its own) and gives the blocks of the attention computed whole.
+    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=AUTO)
+    q, k, v = jax.random.normal(jax.random.key(2), (3, 4, T, 4, 8))
+    mask = jax.random.bernoulli(jax.random.key(3), 0.8, (4, T, T))
+    split = P("data", "context")
+    options = {"strategy": strategy, "causal": causal, "mesh": mesh}
+
+    def inside(q, k, v, mask):
+        attend = lambda q, k, v, mask: eqxshard.context_attention(q, k, v, mask=mask, **options)
+        return eqxshard.filter_shard_map(
+            attend, mesh=mesh, in_specs=(split, split, split, split), out_specs=split
+        )(q, k, v, mask)
+
+    def whole(q, k, v, mask):
+        return eqxshard.context_attention(q, k, v, mask=mask, **options)
+
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    grads = eqx.filter_jit(jax.value_and_grad(loss(inside), argnums=(0, 1, 2)))
+    grads_ref = eqx.filter_jit(jax.value_and_grad(loss(whole), argnums=(0, 1, 2)))
+    _close(eqx.filter_jit(inside)(q, k, v, mask), whole(q, k, v, mask))
+    _close(grads(q, k, v, mask), grads_ref(q, k, v, mask))
+
+
+def test_context_attention_inside_a_shard_map_needs_its_heads_axis_manual_too():
+    mesh = jax.make_mesh((2, 4), ("model", "context"), axis_types=AUTO)
+    q = jnp.ones((2, T, 4, 8))
+
+    def attend(q):
+        return eqxshard.context_attention(q, q, q, mesh=mesh, heads_axis="model")
+
+    mapped = eqxshard.filter_shard_map(
+        attend,
+        mesh=mesh,
+        in_specs=P(None, "context"),
+        out_specs=P(None, "context"),
+        axis_names={"context"},
+    )
+    with pytest.raises(ValueError, match=r"`heads_axis=.model.`, which that `shard_map` leaves"):
+        jax.eval_shape(mapped, q)
