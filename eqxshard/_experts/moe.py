@@ -95,7 +95,9 @@ def moe(
     The router is the model's own: `indices` and `weights` are its choices.
 
     Works eagerly and inside `jax.jit`/`filter_jit`, `jax.grad`, `lax.scan` (a `Stacked`
-    of MoE layers); an eager call runs one compiled program, kept for later calls with the
+    of MoE layers) and a pipeline's stage (a `Stacked` with a stage axis, whose backward
+    pass then runs the dispatch and the experts again: JAX cannot keep a nested
+    `shard_map`'s residuals); an eager call runs one compiled program, kept for later calls with the
     same signature (emptied by `eqxshard.clear_caches`).
 
     With `capacity_factor=None` every assignment is computed (dropless): each device sends

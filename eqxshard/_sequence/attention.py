@@ -210,6 +210,16 @@ def context_attention(
     and the output keeps that layout; other mesh axes (a data axis splitting the batch)
     stay as the inputs have them.
 
+    Inside a `shard_map` (a pipeline's stage: `Stacked` with a stage axis, `filter_pipeline`)
+    it works as elsewhere, gradients included; there its backward pass computes the
+    attention's forward pass again (JAX cannot keep a nested `shard_map`'s residuals).
+    Inside a `shard_map` already Manual over `axis` (`filter_shard_map` over `("data",
+    "context")`), each device passes its own blocks (`query` `(..., T/C, H, Dk)`, `key`
+    and `value` `(..., S/C, G, D)`, `mask` `(..., T/C, S)`, `segment_ids` `(..., T/C)`,
+    block `i` of the sequence on device `i` of `axis`) and gets its block of the output:
+    they are attended where they are, with no `shard_map` of this function's own; with
+    `heads_axis`, that `shard_map` must be Manual over it too (each device its heads).
+
     Scores and the softmax are computed in float32 whatever the inputs' dtype. A query
     that may see no key at all (every key masked) gets the output 0 (and zero
     gradients), not NaN and not an average of the values.
@@ -276,7 +286,8 @@ def context_attention(
         by twice the size); `causal` with `T != S`; `"all_to_all"` with `H` not divisible
         by the size of `axis`; `mask` or `segment_ids` of the wrong shape, or
         `segment_ids` with `T != S`; `heads_axis` is not another axis of the mesh, or
-        does not divide the heads; `dropout_p` is outside [0, 1], or above 0 without a
+        does not divide the heads, or (inside a `shard_map` Manual over `axis`) is not
+        Manual there too; `dropout_p` is outside [0, 1], or above 0 without a
         `dropout_key`.
     - `TypeError`: if `mesh` is not a mesh, an input is not an array, `mask` is not
         boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` or
