@@ -151,3 +151,54 @@ def test_context_attention_inside_a_shard_map_needs_its_heads_axis_manual_too():
     )
     with pytest.raises(ValueError, match=r"`heads_axis=.model.`, which that `shard_map` leaves"):
         jax.eval_shape(mapped, q)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_moe_inside_a_shard_map_over_its_axis_runs_each_devices_experts_and_tokens(
+    capacity_factor,
+):
+    # Inside `filter_shard_map` Manual over ('data', 'expert'), each device holds its E/4
+    # experts and its tokens: `moe` dispatches them where they are and gives the outputs
+    # (and the count of dropped assignments) of the call outside.
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=AUTO)
+    make = lambda k: eqx.nn.MLP(D, D, HIDDEN, 1, key=k)
+    experts = eqx.filter_vmap(make)(jax.random.split(jax.random.key(4), E))
+    x = jax.random.normal(jax.random.key(5), (64, D))
+    weights, indices = jax.lax.top_k(jax.nn.softmax(x @ jnp.ones((D, E)) + x[:, :E]), 2)
+    expert = lambda block, h: jax.vmap(block)(h)
+    options = {"mesh": mesh, "capacity_factor": capacity_factor, "return_dropped": True}
+    tokens = P(("data", "expert"))
+
+    def inside(experts, x, weights):
+        run = lambda e, x, i, w: eqxshard.moe(expert, e, x, i, w, **options)
+        return eqxshard.filter_shard_map(
+            run, mesh=mesh, in_specs=(P("expert"), tokens, tokens, tokens), out_specs=(tokens, P())
+        )(experts, x, indices, weights)
+
+    def whole(experts, x, weights):
+        return eqxshard.moe(expert, experts, x, indices, weights, **options)
+
+    (y, dropped), (y_ref, dropped_ref) = inside(experts, x, weights), whole(experts, x, weights)
+    _close(y, y_ref)
+    assert int(dropped) == int(dropped_ref) and (capacity_factor is None) == (int(dropped) == 0)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)[0]))
+    grad = lambda f: eqx.filter_jit(eqx.filter_grad(lambda a: loss(f)(*a)))
+    _close(grad(inside)((experts, x, weights)), grad(whole)((experts, x, weights)))
+
+
+def test_moe_inside_a_shard_map_takes_only_its_axes_as_data_axes():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), axis_types=AUTO)
+    experts = jnp.ones((E, D, D))
+    x, indices = jnp.ones((16, D)), jnp.zeros((16, 2), jnp.int32)
+    run = lambda e, x, i: eqxshard.moe(
+        lambda w, h: h @ w, e, x, i, jnp.ones(i.shape), mesh=mesh, data_axes="data"
+    )
+    mapped = eqxshard.filter_shard_map(
+        run,
+        mesh=mesh,
+        in_specs=(P("expert"), P("expert"), P("expert")),
+        out_specs=P("expert"),
+        axis_names={"expert"},
+    )
+    with pytest.raises(ValueError, match=r"but that `shard_map` leaves \['data'\] to the compiler"):
+        jax.eval_shape(mapped, experts, x, indices)
