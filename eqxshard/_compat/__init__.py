@@ -5,7 +5,8 @@ Supported: jax 0.7.2 (the lowest, tested in CI) to the newest release. The rest 
 eqxshard reads these names as `_compat.name`; each submodule holds one family:
 `arrays` (tracers, traced shardings, memory kinds, PRNG keys, refs, batching tracers,
 varying values in `shard_map`),
-`meshes` (ambient and abstract meshes, axis types, specs), `processes` (host gathers,
+`meshes` (ambient and abstract meshes, axis types, specs), `nested` (a `shard_map`
+nested in another whose backward pass lowers), `processes` (host gathers,
 global shapes, the detected cluster, the coordination-service client),
 `equinox_errors` (Equinox's private state for `eqx.error_if` messages, which
 `filter_jit` reports as `eqx.filter_jit` does), `jaxprs` (a `scan` equation's
@@ -47,13 +48,16 @@ from .meshes import (
     axis_type_map as axis_type_map,
     context_abstract_mesh as context_abstract_mesh,
     is_sharding_type_error as is_sharding_type_error,
+    manual_axes_here as manual_axes_here,
     mesh_platform as mesh_platform,
+    nested_mesh as nested_mesh,
     spec_entries as spec_entries,
     spec_reductions as spec_reductions,
     spec_str as spec_str,
     tracing_on as tracing_on,
     vmapped_mesh_axes as vmapped_mesh_axes,
 )
+from .nested import nested_shard_map as nested_shard_map
 from .processes import (
     coordination_client as coordination_client,
     detected_cluster as detected_cluster,

@@ -54,6 +54,29 @@ def context_abstract_mesh() -> AbstractMesh | None:
     return None if abstract.empty else abstract
 
 
+def nested_mesh(mesh: Mesh | AbstractMesh) -> Mesh | AbstractMesh:
+    """The mesh a `jax.shard_map` over `mesh` takes where it is called: inside an outer
+    `shard_map` over a mesh of the same axes (some of them then Manual), the abstract mesh
+    JAX has in context (JAX refuses the concrete mesh there); `mesh` itself elsewhere."""
+    context = context_abstract_mesh()
+    if (
+        context is not None
+        and AxisType.Manual in tuple(context.axis_types)
+        and dict(context.shape) == dict(mesh.shape)
+    ):
+        return context
+    return mesh
+
+
+def manual_axes_here() -> frozenset[str]:
+    """The mesh axes an enclosing `shard_map` has made Manual where this is called (none
+    outside one)."""
+    context = context_abstract_mesh()
+    if context is None:
+        return frozenset()
+    return frozenset(n for n, t in axis_type_map(context).items() if t == AxisType.Manual)
+
+
 def tracing_on(mesh: Mesh | AbstractMesh | None) -> Any:
     """A context in which a function traced for `mesh` finds it: `mesh`'s abstract mesh
     where it has Explicit axes and no mesh is set (jax >= 0.11 looks an Explicit axis up

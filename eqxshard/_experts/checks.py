@@ -84,13 +84,17 @@ def _mesh(mesh: Any, verb: str) -> Mesh | AbstractMesh:
             )
     if not isinstance(mesh, (Mesh, AbstractMesh)):
         raise TypeError(f"`{verb}` takes `mesh` as a `jax.sharding.Mesh`, but got {mesh!r}.")
-    return mesh
+    return _compat.nested_mesh(mesh)  # inside a pipeline's stage: the mesh JAX has there
 
 
-def _token_axes(data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str) -> tuple[str, ...]:
+def _token_axes(
+    data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str, local: bool
+) -> tuple[str, ...]:
     names = tuple(mesh.axis_names)
+    types = _compat.axis_type_map(mesh)
+    if data_axes is None and local:  # the axes of the `shard_map` the call is inside
+        return tuple(a for a in names if a == axis or types[a] == AxisType.Manual)
     if data_axes is None:  # every axis not already manual (an outer `shard_map`'s, a stage's)
-        types = _compat.axis_type_map(mesh)
         return tuple(a for a in names if a == axis or types[a] != AxisType.Manual)
     given = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     missing = [a for a in given if a not in names or a == axis]
@@ -99,6 +103,13 @@ def _token_axes(data_axes: Any, mesh: Mesh | AbstractMesh, axis: str, verb: str)
             f"`{verb}` got `data_axes={data_axes!r}`, but {missing} are not axes of the mesh "
             f"{names} other than the expert axis {axis!r}. Name the mesh axes the tokens are "
             "split over besides the expert axis, or `None` for every other axis."
+        )
+    if local and any(types[a] != AxisType.Manual for a in given):
+        raise ValueError(
+            f"`{verb}` was called inside a `shard_map` over the expert axis {axis!r}, with "
+            f"`data_axes={data_axes!r}`, but that `shard_map` leaves "
+            f"{[a for a in given if types[a] != AxisType.Manual]} to the compiler. Name "
+            "only axes it maps (those that split the tokens each device holds), or `None`."
         )
     return tuple(a for a in names if a in given or a == axis)
 
@@ -127,7 +138,10 @@ def check(
             f"{list(sizes)}). Pass `axis=` the mesh's expert axis, or add one to the mesh: "
             f'`jax.make_mesh((..., {axis!r} size), (..., "{axis}"))`.'
         )
-    n_experts = expert_count(experts, verb)
+    # Inside a `shard_map` already Manual over `axis`, each device holds its experts and
+    # its tokens: the counts below are the whole ones.
+    local = axis in _compat.manual_axes_here()
+    n_experts = expert_count(experts, verb) * (sizes[axis] if local else 1)
     if n_experts % sizes[axis]:
         raise ValueError(
             f"`{verb}` cannot lay out {n_experts} experts (the leading dim of `experts`) "
@@ -165,8 +179,9 @@ def check(
             f"{indices.dtype}. Pass `jax.lax.top_k(logits, k)[1]`, or cast with "
             "`indices.astype(jnp.int32)`."
         )
-    token_axes = _token_axes(data_axes, mesh, axis, verb)
+    token_axes = _token_axes(data_axes, mesh, axis, verb, local)
     devices = math.prod(sizes[a] for a in token_axes)
+    n = n * devices if local else n
     if n % devices:
         raise ValueError(
             f"`{verb}` splits the {n} tokens of `x` over mesh axes {token_axes} "

@@ -40,7 +40,9 @@ def _build(expert: Callable[..., Any], static: Any, p: Problem) -> Callable[...,
 
             params = jax.tree.map(to, params, specs)
             x, indices, weights = (to(a, tokens) for a in (x, indices, weights))
-        mapped = jax.shard_map(
+        # Nested in a pipeline's `shard_map` over its stage axis, its backward pass
+        # recomputes the dispatch (`_compat.nested_shard_map` says why).
+        mapped = _compat.nested_shard_map(
             body,
             mesh=p.mesh,
             in_specs=(specs, tokens, tokens, tokens),
@@ -92,8 +94,15 @@ def moe(
     `all_to_all`s over `axis`, inside `jax.shard_map`). The output keeps the tokens' split.
     The router is the model's own: `indices` and `weights` are its choices.
 
+    Inside a `shard_map` already Manual over `axis` (`filter_shard_map` over `("data",
+    "expert")`), each device passes its own `E/A` experts and its own tokens (`x`,
+    `indices`, `weights` its rows) and gets its tokens' outputs: the dispatch runs there,
+    with no `shard_map` of this function's own.
+
     Works eagerly and inside `jax.jit`/`filter_jit`, `jax.grad`, `lax.scan` (a `Stacked`
-    of MoE layers); an eager call runs one compiled program, kept for later calls with the
+    of MoE layers) and a pipeline's stage (a `Stacked` with a stage axis, whose backward
+    pass then runs the dispatch and the experts again: JAX cannot keep a nested
+    `shard_map`'s residuals); an eager call runs one compiled program, kept for later calls with the
     same signature (emptied by `eqxshard.clear_caches`).
 
     With `capacity_factor=None` every assignment is computed (dropless): each device sends
@@ -122,7 +131,9 @@ def moe(
     - `axis`: the mesh axis the experts are laid out over (default `"expert"`).
     - `data_axes`: the other mesh axes the tokens are split over: a name, a tuple, or
         `None` (default) for every other axis of the mesh not already manual (inside a
-        pipeline's stage, every axis but the stage axis). Axes left out (a `"model"`
+        pipeline's stage, every axis but the stage axis); inside a `shard_map` Manual over
+        `axis`, the axes of that `shard_map` that split the tokens (`None`: all of them),
+        which `dropped` sums over. Axes left out (a `"model"`
         axis inside each expert) stay with the compiler, which lays out the experts'
         other dims as their shardings say.
     - `capacity_factor`: `None` (default) for dropless, or a number `c > 0` for GShard's
@@ -138,7 +149,8 @@ def moe(
     **Raises:**
 
     - `ValueError`: if no `mesh` is given or set; if the mesh lacks `axis` or one of
-        `data_axes`; if the leaves of `experts` disagree on `E` (each listed), or `E` is
+        `data_axes` (or, inside a `shard_map` Manual over `axis`, one of `data_axes` is
+        not Manual there); if the leaves of `experts` disagree on `E` (each listed), or `E` is
         not divisible by the size of `axis`; if `x` is not `(N, D)`, `indices` or
         `weights` not `(N, k)`, or `N` not divisible by the number of devices the tokens
         are split over; if `capacity_factor` is not a number > 0.
@@ -171,6 +183,9 @@ def moe(
         data_axes=data_axes,
         capacity_factor=capacity_factor,
     )
+    if p.axis in _compat.manual_axes_here():  # each device's experts and tokens, as held
+        y, dropped = dispatch(expert, experts, x, indices, weights, p)
+        return (y, dropped) if return_dropped else y
     params, static = eqx.partition(experts, eqx.is_array)
     y, dropped = _program(expert, static, p)(params, x, indices, weights)
     return (y, dropped) if return_dropped else y

@@ -44,12 +44,12 @@ def _clear() -> None:
     _program.cache_clear()
 
 
-@ft.lru_cache(maxsize=64)
-def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> Any:
-    """The whole computation, jitted: called eagerly it runs as one program (a
-    `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
+def _device_function(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> Any:
+    """`per_device(batch, q, k, v, mask, seg, key)`: one device's attention on its block
+    of the sequence, `q` `(B, T/C, H, Dk)` (its heads with `heads_axis`), `batch` the
+    Manual axes its examples are split over (major first)."""
     run = _per_device(problem)
-    groups, axis, heads = problem.key_heads // problem.heads_size, problem.axis, problem.heads_axis
+    groups, heads = problem.key_heads // problem.heads_size, problem.heads_axis
 
     def per_device(batch: Any, q: Any, k: Any, v: Any, mask: Any, seg: Any, key: Any) -> Any:
         b, t, h, dk = q.shape
@@ -63,15 +63,30 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         out = run(q.reshape(b, t, groups, h // groups, dk), k, v, mask, seg, draw)
         return out.reshape(b, t, h, out.shape[-1]).astype(dtype)
 
+    return per_device
+
+
+def _batched_args(problem: checks.Problem, *args: Any) -> tuple[Any, ...]:
+    query, key, value, mask, segment_ids = args
+    return (
+        _batched(query, problem, 3),
+        _batched(key, problem, 3),
+        _batched(value, problem, 3),
+        _batched(mask, problem, 2),
+        _batched(segment_ids, problem, 1),
+    )
+
+
+@ft.lru_cache(maxsize=64)
+def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> Any:
+    """The whole computation, jitted: called eagerly it runs as one program (a
+    `jax.shard_map` called outside `jit` would run op by op); inside a `jit` it is inlined."""
+    per_device = _device_function(problem, mesh, dtype)
+    axis, heads = problem.axis, problem.heads_axis
+
     @jax.jit
     def program(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any, drop: Any) -> Any:
-        args = (
-            _batched(query, problem, 3),
-            _batched(key, problem, 3),
-            _batched(value, problem, 3),
-            _batched(mask, problem, 2),
-            _batched(segment_ids, problem, 1),
-        )
+        args = _batched_args(problem, query, key, value, mask, segment_ids)
         batch = _batch_axes(args[0], mesh, axis)
         split = PartitionSpec(batch[0] if len(batch) == 1 else batch or None, axis)
         # With `heads_axis`, queries, keys, values and the output have their heads split
@@ -80,7 +95,9 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         specs = (split_heads, split_heads, split_heads, split, split)
         args = _laid_out(args, mesh, specs)
         mapped = (*batch, *([heads] if heads else []))
-        body: Any = jax.shard_map(
+        # Nested in a pipeline's `shard_map` over its stage axis, its backward pass
+        # recomputes the attention (`_compat.nested_shard_map` says why).
+        body: Any = _compat.nested_shard_map(
             ft.partial(per_device, batch),
             mesh=mesh,
             in_specs=(
@@ -94,6 +111,38 @@ def _program(problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any) -> 
         return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
 
     return program
+
+
+def _in_manual(
+    problem: checks.Problem, mesh: Mesh | AbstractMesh, dtype: Any, manual: frozenset[str]
+) -> Any:
+    """The computation called inside a `shard_map` already Manual over the context axis:
+    the per-device function itself, on the blocks the caller holds (a `shard_map` nested
+    over an axis already Manual is refused by JAX). The other Manual axes but the heads
+    axis number the examples for dropout, as a batch split over them would."""
+    per_device = _device_function(problem, mesh, dtype)
+    skip = {problem.axis, problem.heads_axis}
+    batch = tuple(n for n in mesh.axis_names if n in manual and n not in skip)
+
+    def local(query: Any, key: Any, value: Any, mask: Any, segment_ids: Any, drop: Any) -> Any:
+        args = _batched_args(problem, query, key, value, mask, segment_ids)
+        out = per_device(batch, *args, drop)
+        return jnp.reshape(out, (*problem.lead, *out.shape[1:]))
+
+    return local
+
+
+def _whole(x: Any, times: dict[int, int]) -> Any:
+    """A stand-in with the shape of the whole of `x` (its dim `d`, counted from the end,
+    `times[d]` times as long), for the checks that read whole shapes; `x` itself where it
+    is not an array."""
+    if x is None or not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return x
+    shape = list(x.shape)
+    for d, n in times.items():
+        if len(shape) >= -d:
+            shape[d] *= n
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
 
 
 def _size(mesh: Mesh | AbstractMesh, name: str) -> int:
@@ -161,6 +210,16 @@ def context_attention(
     and the output keeps that layout; other mesh axes (a data axis splitting the batch)
     stay as the inputs have them.
 
+    Inside a `shard_map` (a pipeline's stage: `Stacked` with a stage axis, `filter_pipeline`)
+    it works as elsewhere, gradients included; there its backward pass computes the
+    attention's forward pass again (JAX cannot keep a nested `shard_map`'s residuals).
+    Inside a `shard_map` already Manual over `axis` (`filter_shard_map` over `("data",
+    "context")`), each device passes its own blocks (`query` `(..., T/C, H, Dk)`, `key`
+    and `value` `(..., S/C, G, D)`, `mask` `(..., T/C, S)`, `segment_ids` `(..., T/C)`,
+    block `i` of the sequence on device `i` of `axis`) and gets its block of the output:
+    they are attended where they are, with no `shard_map` of this function's own; with
+    `heads_axis`, that `shard_map` must be Manual over it too (each device its heads).
+
     Scores and the softmax are computed in float32 whatever the inputs' dtype. A query
     that may see no key at all (every key masked) gets the output 0 (and zero
     gradients), not NaN and not an average of the values.
@@ -227,7 +286,8 @@ def context_attention(
         by twice the size); `causal` with `T != S`; `"all_to_all"` with `H` not divisible
         by the size of `axis`; `mask` or `segment_ids` of the wrong shape, or
         `segment_ids` with `T != S`; `heads_axis` is not another axis of the mesh, or
-        does not divide the heads; `dropout_p` is outside [0, 1], or above 0 without a
+        does not divide the heads, or (inside a `shard_map` Manual over `axis`) is not
+        Manual there too; `dropout_p` is outside [0, 1], or above 0 without a
         `dropout_key`.
     - `TypeError`: if `mesh` is not a mesh, an input is not an array, `mask` is not
         boolean, `segment_ids` are not integers, `causal` is not a bool, or `scale` or
@@ -253,12 +313,16 @@ def context_attention(
         ```
     """
     mesh = checks.mesh_of(mesh)
+    manual = _compat.manual_axes_here()
+    given = (query, key, value, mask, segment_ids)
+    if isinstance(axis, str) and axis in manual:  # each device's blocks: check the whole
+        checks.check_manual_heads(heads_axis, manual, axis)
+        c = _size(mesh, axis)
+        h = _size(mesh, heads_axis) if heads_axis is not None else 1
+        sides = ({-3: c, -2: h}, {-3: c, -2: h}, {-3: c, -2: h}, {-2: c}, {-1: c})
+        given = tuple(_whole(x, times) for x, times in zip(given, sides, strict=True))
     problem = checks.check(
-        query,
-        key,
-        value,
-        mask,
-        segment_ids,
+        *given,
         causal=causal,
         scale=scale,
         mesh=mesh,
@@ -269,6 +333,8 @@ def context_attention(
         dropout_key=dropout_key,
     )
     dtype = jnp.result_type(query, key, value)
-    program = _program(problem, mesh, dtype)
     drop = dropout_key if problem.dropout_p > 0 else None
+    if axis in manual:
+        return _in_manual(problem, mesh, dtype, manual)(query, key, value, mask, segment_ids, drop)
+    program = _program(problem, mesh, dtype)
     return program(query, key, value, mask, segment_ids, drop)

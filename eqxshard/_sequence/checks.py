@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, Mesh
 
+from .. import _compat
 from .._placement.targets import given_mesh
 
 VERB = "context_attention"
@@ -38,8 +39,9 @@ class Problem:
 
 
 def mesh_of(mesh: Any) -> Mesh | AbstractMesh:
-    """`mesh`, or the mesh set by `jax.set_mesh`."""
-    return given_mesh(VERB, mesh)
+    """`mesh`, or the mesh set by `jax.set_mesh`; inside an outer `shard_map` over it (a
+    pipeline's stage), the abstract mesh JAX has in context there."""
+    return _compat.nested_mesh(given_mesh(VERB, mesh))
 
 
 def _shape(name: str, x: Any, ndim: int, dims: str) -> tuple[int, ...]:
@@ -130,6 +132,19 @@ def check(
         heads_size,
         dropout_p,
     )
+
+
+def check_manual_heads(heads_axis: Any, manual: frozenset[str], axis: str) -> None:
+    """Inside a `shard_map` Manual over `axis`, a `heads_axis` must be Manual there too
+    (each device then holds its heads)."""
+    if heads_axis is not None and heads_axis not in manual:
+        raise ValueError(
+            f"`{VERB}` was called inside a `shard_map` over mesh axis {axis!r}, whose blocks "
+            f"it attends where they are, with `heads_axis={heads_axis!r}`, which that "
+            f"`shard_map` leaves to the compiler (its Manual axes: {sorted(manual)}). Map "
+            f"the `shard_map` over {heads_axis!r} too (each device holding its heads), or "
+            "pass `heads_axis=None`."
+        )
 
 
 def _check_heads_axis(

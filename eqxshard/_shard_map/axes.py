@@ -15,15 +15,7 @@ _VERB = "filter_shard_map"
 
 def get_mesh(mesh: Any) -> Mesh | AbstractMesh:
     """`mesh`, or the ambient mesh; inside an outer `shard_map`, the mesh JAX has in context."""
-    mesh = given_mesh(_VERB, mesh)
-    context = _compat.context_abstract_mesh()
-    if (
-        context is not None
-        and AxisType.Manual in tuple(context.axis_types)
-        and dict(context.shape) == dict(mesh.shape)
-    ):
-        return context  # nested in a `shard_map` over the same mesh: JAX wants the context
-    return mesh
+    return _compat.nested_mesh(given_mesh(_VERB, mesh))
 
 
 def manual_axes(
