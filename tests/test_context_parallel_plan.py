@@ -264,10 +264,11 @@ def piped_step(model, opt_state, x):
     return eqx.apply_updates(model, updates), opt_state, value
 
 
-def test_a_context_axis_beside_stage_is_a_row_saying_why_it_is_not_weighed():
+def test_a_context_axis_beside_stage_is_weighed_and_its_plan_runs_as_one_device():
+    model = Piped(jax.random.key(0))
     plan = eqxshard.auto_plan(
         piped_step,
-        Piped(jax.random.key(0)),
+        model,
         jax.ShapeDtypeStruct((4, 64, E), jnp.float32),
         devices=4,
         budget="1GiB",
@@ -277,5 +278,25 @@ def test_a_context_axis_beside_stage_is_a_row_saying_why_it_is_not_weighed():
     assert any(c.pipeline for c in plan.table)  # the stage dimension weighed pipelines
     rows = [c for c in plan.table if c.name == "PP x context"]
     assert [c.mesh_shape for c in rows] == [{"stage": 2, "context": 2}]
-    assert rows[0].time is None and "does not lower nested in the pipeline's" in rows[0].reason
-    assert any(c.context and c.time is not None for c in plan.table)  # the others weighed
+    (row,) = rows
+    assert row.time is not None and row.pipeline and row.context  # compiled, both chosen
+    assert "sequence split 2 ways over `context` (ring)" in row.reason
+    assert row.collectives["collective-permute"] > 0
+    # The row as a plan: the pipeline with its stages' attention converted, trained as
+    # on one device.
+    chosen = eqxshard.Plan(
+        row.mesh_shape,
+        row.rules,
+        P(None, "context"),
+        pipeline=eqxshard.Pipeline(**row.pipeline),
+        context=row.context,
+    )
+    x = jax.random.normal(jax.random.key(1), (4, 64, E))
+    state = OPTIMISER.init(eqx.filter(model, eqx.is_array))
+    split, split_state, laid_out = chosen.shard(model, state, x)
+    step = chosen.jit(piped_step)
+    one = eqx.filter_jit(piped_step)
+    for _ in range(2):
+        split, split_state, split_loss = step(split, split_state, laid_out)
+        model, state, loss = one(model, state, x)
+        np.testing.assert_allclose(split_loss, loss, rtol=2e-5)

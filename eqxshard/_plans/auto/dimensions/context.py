@@ -10,16 +10,18 @@ each size `C` of the `context` axis, every built-in layout of the other devices
 layout's rule kept: parameters replicated, split over `fsdp`, or their matmuls split over
 `model`, where the heads then split too (`heads_axis="model"`: each device attends its
 heads of its part of the sequence; a layout whose heads do not divide is a row saying
-so). Each row says what the split saves against the smallest unsplit row and what its
-collectives send. The chosen row's `context` (`{"axis": "context", "strategy": "ring"}`,
-with `"heads_axis": "model"` beside a `model` axis) is what `Plan.apply` and `Plan.jit`
-convert by.
+so). Beside a pipeline (`PP x context`): each stage size a measured pipeline row over
+`stage` (and `data`) has, with `context` in place of `data`, the pipeline's rules and
+schedule kept (the converted attention runs nested in the pipeline's `shard_map`; its
+backward pass recomputes the attention). Each row says what the split saves against the
+smallest unsplit row and what its collectives send. The chosen row's `context`
+(`{"axis": "context", "strategy": "ring"}`, with `"heads_axis": "model"` beside a `model`
+axis) is what `Plan.apply` and `Plan.jit` convert by.
 
-What it does not weigh, each a row saying so where it applies: a `context` axis beside a
-pipeline's `stage` axis (the ring's `shard_map` does not lower nested in the pipeline's);
-meshes above `compile_limit` (no smaller mesh stands in for them yet). Nor does it weigh
-the other strategies (`all_gather`, `all_to_all`), the causal balance (the model's own
-causal mask is kept as it is), the user's `rules`, or remat and offload on these layouts.
+What it does not weigh: meshes above `compile_limit` (a row saying so: no smaller mesh
+stands in for them yet); `context` beside a pipeline with `fsdp` or `model` axes; the
+other strategies (`all_gather`, `all_to_all`); the causal balance (the model's own causal
+mask is kept as it is); the user's `rules`; remat and offload on these layouts.
 """
 
 from __future__ import annotations
@@ -133,22 +135,20 @@ def _heads_left_whole(model: Any, size: int) -> list[int]:
 
 
 def _beside_stages(search: Search, length: int) -> list[Layout]:
-    """For each size of stage axis a pipeline row has, the layout with a `context` axis
-    over the other devices (the stage row's rules): not weighed (`STAGE_WHY`)."""
+    """For each size of stage axis a pipeline row over `stage` (and `data`) has, that
+    pipeline (its rules, microbatches and repeats) with a `context` axis over the other
+    devices instead of `data`."""
     devices, out = search.traced.devices, {}
     for c in search.measured.rows:
         stages = c.mesh_shape.get("stage", 1)
         context = devices // stages
-        if c.pipeline and stages > 1 and context > 1 and length % context == 0:
+        plain = set(c.mesh_shape) <= {"stage", "data"}
+        if c.pipeline and plain and stages > 1 and context > 1 and length % context == 0:
             shape = {"stage": stages, AXIS: context}
-            out.setdefault(stages, Layout("PP x context", shape, c.rules))
+            pipeline = (c.pipeline["microbatches"], c.pipeline["repeats"])
+            layout = Layout("PP x context", shape, c.rules, pipeline=pipeline)
+            out.setdefault(stages, layout)
     return list(out.values())
-
-
-STAGE_WHY = (
-    "not weighed: the ring's `shard_map` over `context` does not lower nested in the "
-    "pipeline's over `stage` (JAX 0.10, Shardy)"
-)
 
 
 class Context(Converting):
@@ -180,4 +180,10 @@ class Context(Converting):
             step = converted(traced.problem, heads)[0]
             key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, heads))
             out.append(Split(layout, why, step, key, sequence_spec(layout.shape)))
-        return out + [Split(layout, STAGE_WHY) for layout in _beside_stages(search, length)]
+        # Beside a pipeline: its stage's layers hold the converted attention (inside the
+        # pipeline's `shard_map`, nested; its backward pass recomputes the attention).
+        step = converted(traced.problem, None)[0]
+        key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, None))
+        for layout in _beside_stages(search, length):
+            out.append(Split(layout, "", step, key, sequence_spec(layout.shape)))
+        return out

@@ -30,11 +30,14 @@ from .base import Dimension, Measured, Search
 
 
 def laid_out(search: Search, problem: Problem, layout: Layout, spec: P) -> jobs.Job:
-    """`layout` laid out for `problem` (its model converted), every batch leaf by `spec`,
-    and the mesh set while the step traces; a rejected job where it cannot be."""
+    """`layout` laid out for `problem` (its model converted; its `Stacked` pipelined as
+    the layout says), every batch leaf by `spec`, and the mesh set while the step traces;
+    a rejected job where it cannot be."""
     mesh = mesh_for(layout.shape, search.traced.available)
     try:
-        placed = step_arguments(problem, mesh, layout.rules, problem.batch, spec)
+        placed = step_arguments(
+            problem, mesh, layout.rules, problem.batch, spec, pipeline=layout.pipeline
+        )
     except (ValueError, TypeError) as e:
         return jobs.Job(layout, {}, rejected=" ".join(str(e).split())[:300])
     placed = dataclasses.replace(placed, mesh_set=mesh)
