@@ -94,14 +94,14 @@ class ContextParallelAttention(eqx.nn.MultiheadAttention):
             q, k, v = process_heads(q, k, v)
             if (q.shape, k.shape, v.shape) != shapes:
                 raise ValueError("process_heads must not change the shape of the heads.")
+        dropout = {"dropout_p": dropout_p, "dropout_key": key} if dropout_p > 0 else {}
         attend = ft.partial(
             context_attention,
             causal=self.causal,
             mesh=self.mesh,
             axis=self.axis,
             strategy=self.strategy,
-            dropout_p=dropout_p,
-            dropout_key=key if dropout_p > 0 else None,
+            **dropout,
         )
         if mask is not None and jnp.ndim(mask) == 3:  # one mask per head: heads lead
             if self.strategy == "all_to_all":
