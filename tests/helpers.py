@@ -286,3 +286,34 @@ def numpy_filled(make: Callable[[jax.Array], Any], key: jax.Array, scale: float 
         return jnp.asarray((scale * rng.normal(size=leaf.shape)).astype(leaf.dtype))
 
     return jax.tree.map(fill, eqx.filter_eval_shape(make, key))
+
+
+def trains_as_one_device(
+    loss: Callable[[Any, Any], Any],
+    optimiser: Any,
+    one: tuple[Any, Any, Any],
+    split: tuple[Any, Any, Any],
+    *,
+    steps: int = 3,
+    rtol: float = 2e-5,
+    atol: float = 5e-5,
+) -> None:
+    """`steps` steps of `optimiser` on `loss(model, batch)`: `one` (model, state, batch)
+    under `eqx.filter_jit` on one device, `split` (the converted and laid out model,
+    state and batch) under `eqxshard.filter_jit`; each step's loss and the final
+    parameters agree."""
+
+    def step(model: Any, state: Any, batch: Any) -> Any:
+        value, grads = eqx.filter_value_and_grad(loss)(model, batch)
+        updates, state = optimiser.update(grads, state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), state, value
+
+    (model, state, batch), (split_model, split_state, laid_out) = one, split
+    sharded_step, one_step = eqxshard.filter_jit(step), eqx.filter_jit(step)
+    for _ in range(steps):
+        split_model, split_state, split_loss = sharded_step(split_model, split_state, laid_out)
+        model, state, value = one_step(model, state, batch)
+        np.testing.assert_allclose(split_loss, value, rtol=rtol)
+    got, want = eqx.filter(split_model, eqx.is_array), eqx.filter(model, eqx.is_array)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=atol, atol=atol)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import make_mesh
+from helpers import make_mesh, trains_as_one_device
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -197,20 +197,9 @@ def test_a_training_step_equals_the_one_device_step():
     assert jax.tree.structure(split_state) == jax.tree.structure(
         optimiser.init(eqx.filter(split, eqx.is_array))
     )
-
-    def step(model, state, tokens):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, tokens)
-        updates, state = optimiser.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
-
     tokens = _tokens()
     laid_out = jax.device_put(tokens, NamedSharding(mesh, P("data", "context")))
-    sharded_step = eqxshard.filter_jit(step)
-    for _ in range(3):
-        split, split_state, split_loss = sharded_step(split, split_state, laid_out)
-        model, state, loss = eqx.filter_jit(step)(model, state, tokens)
-        np.testing.assert_allclose(split_loss, loss, rtol=2e-5)
-    _allclose(eqx.filter(split, eqx.is_array), eqx.filter(model, eqx.is_array), tol=5e-5)
+    trains_as_one_device(loss_fn, optimiser, (model, state, tokens), (split, split_state, laid_out))
 
 
 def test_no_attention_warns_and_returns_the_model():

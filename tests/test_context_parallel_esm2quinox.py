@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from helpers import make_mesh
+from helpers import make_mesh, trains_as_one_device
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eqxshard
@@ -76,17 +76,7 @@ def test_an_esm2_training_step_equals_the_one_device_step():
     split = _split(model, mesh)
     state = optimiser.init(eqx.filter(model, eqx.is_array))
     split_state = eqxshard.context_parallel(state, mesh=mesh)
-
-    def step(model, state, tokens):
-        loss, grads = eqx.filter_value_and_grad(_loss)(model, tokens)
-        updates, state = optimiser.update(grads, state, eqx.filter(model, eqx.is_array))
-        return eqx.apply_updates(model, updates), state, loss
-
     tokens = _tokens()
     laid_out = jax.device_put(tokens, NamedSharding(mesh, P("data", "context")))
-    sharded_step = eqxshard.filter_jit(step)
-    for _ in range(3):
-        split, split_state, split_loss = sharded_step(split, split_state, laid_out)
-        model, state, loss = eqx.filter_jit(step)(model, state, tokens)
-        np.testing.assert_allclose(split_loss, loss, rtol=5e-5)
-    _allclose(eqx.filter(split, eqx.is_array), eqx.filter(model, eqx.is_array), tol=1e-4)
+    one, split_ = (model, state, tokens), (split, split_state, laid_out)
+    trains_as_one_device(_loss, optimiser, one, split_, rtol=5e-5, atol=1e-4)

@@ -47,14 +47,15 @@ def step(model, opt_state, tokens):
     return eqx.apply_updates(model, updates), opt_state, value
 
 
-def _plan(model, batch: int, budget: str):
+def _plan(model, batch: int, budget: str, devices: int = 4, exclude=()):
     return eqxshard.auto_plan(
         step,
         model,
         jax.ShapeDtypeStruct((batch, T), jnp.int32),
-        devices=4,
+        devices=devices,
         budget=budget,
         optimizer=OPTIMISER,
+        exclude=exclude,
         progress=False,
     )
 
@@ -211,16 +212,7 @@ def test_a_context_axis_beside_model_or_fsdp_when_only_it_fits(
     width, batch, budget, exclude, mesh, name
 ):
     model = Wide(width, jax.random.key(0))
-    plan = eqxshard.auto_plan(
-        step,
-        model,
-        jax.ShapeDtypeStruct((batch, T), jnp.int32),
-        devices=8,
-        budget=budget,
-        optimizer=OPTIMISER,
-        exclude=exclude,
-        progress=False,
-    )
+    plan = _plan(model, batch, budget, devices=8, exclude=exclude)
     assert dict(plan.mesh.shape) == mesh and plan.chosen.name == name
     heads = {"heads_axis": "model"} if "model" in mesh else {}
     assert plan.context == {"axis": "context", "strategy": "ring", **heads}
