@@ -317,3 +317,22 @@ def trains_as_one_device(
     got, want = eqx.filter(split_model, eqx.is_array), eqx.filter(model, eqx.is_array)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_allclose(a, b, rtol=atol, atol=atol)
+
+
+class MoELayer(eqx.Module):
+    """A residual MoE layer: the model's own router (top-2 of a softmax), then
+    `eqxshard.Experts` of one-hidden-layer MLPs (`options`: the `Experts`' own)."""
+
+    router: eqx.nn.Linear
+    experts: eqxshard.Experts
+
+    def __init__(self, key: Any, *, width: int, hidden: int, experts: int, **options: Any):
+        k1, k2 = jax.random.split(key)
+        self.router = eqx.nn.Linear(width, experts, use_bias=False, key=k1)
+        make = lambda k: eqx.nn.MLP(width, width, hidden, 1, key=k)
+        blocks = eqx.filter_vmap(make)(jax.random.split(k2, experts))
+        self.experts = eqxshard.Experts(blocks, **options)
+
+    def __call__(self, x: Any) -> Any:
+        weights, indices = jax.lax.top_k(jax.nn.softmax(jax.vmap(self.router)(x)), 2)
+        return x + self.experts(x, indices, weights)

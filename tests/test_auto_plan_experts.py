@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import MoELayer
 from jax.sharding import PartitionSpec as P
 
 import eqxshard
@@ -23,21 +24,8 @@ OPTIMISER = optax.adam(1e-2)
 EXPERT_BYTES = 4 * E * (2 * D * HIDDEN + HIDDEN + D)  # float32 weights and biases
 
 
-class MoE(eqx.Module):
-    """A residual MoE layer: the model's router (top-2 of a softmax), then `Experts`."""
-
-    router: eqx.nn.Linear
-    experts: eqxshard.Experts
-
-    def __init__(self, key, axis: str | None = "expert"):
-        k1, k2 = jax.random.split(key)
-        self.router = eqx.nn.Linear(D, E, use_bias=False, key=k1)
-        make = lambda k: eqx.nn.MLP(D, D, HIDDEN, 1, key=k)
-        self.experts = eqxshard.Experts(eqx.filter_vmap(make)(jax.random.split(k2, E)), axis=axis)
-
-    def __call__(self, x):
-        weights, indices = jax.lax.top_k(jax.nn.softmax(jax.vmap(self.router)(x)), 2)
-        return x + self.experts(x, indices, weights)
+def MoE(key, axis: str | None = "expert") -> MoELayer:
+    return MoELayer(key, width=D, hidden=HIDDEN, experts=E, axis=axis)
 
 
 def step(model, opt_state, batch):

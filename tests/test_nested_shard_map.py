@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import MoELayer
 from jax.sharding import AxisType, PartitionSpec as P
 
 import eqxshard
@@ -72,19 +73,8 @@ def test_context_attention_in_a_pipelined_stack_trains_as_one_device(strategy, c
 D, HIDDEN, E = 8, 16, 8
 
 
-class MoEBlock(eqx.Module):
-    router: eqx.nn.Linear
-    experts: eqxshard.Experts
-
-    def __init__(self, key, mesh):
-        k1, k2 = jax.random.split(key)
-        self.router = eqx.nn.Linear(D, E, use_bias=False, key=k1)
-        make = lambda k: eqx.nn.MLP(D, D, HIDDEN, 1, key=k)
-        self.experts = eqxshard.Experts(eqx.filter_vmap(make)(jax.random.split(k2, E)), mesh=mesh)
-
-    def __call__(self, h):
-        weights, indices = jax.lax.top_k(jax.nn.softmax(jax.vmap(self.router)(h)), 2)
-        return h + self.experts(jax.nn.relu(h), indices, weights)
+def MoEBlock(key, mesh) -> MoELayer:
+    return MoELayer(key, width=D, hidden=HIDDEN, experts=E, mesh=mesh)
 
 
 @pytest.mark.parametrize("given", [False, True])
