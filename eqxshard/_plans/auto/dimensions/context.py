@@ -169,6 +169,14 @@ class Context(Converting):
         if not count:
             return []
         excluded = {FAMILIES[n] for n in traced.exclude if n in FAMILIES}
+        steps = {None: problem}  # the problem converted, by the axis the heads split over
+
+        def split(layout: Layout, why: str, heads: str | None) -> Split:
+            if heads not in steps:
+                steps[heads] = converted(traced.problem, heads)[0]
+            key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, heads))
+            return Split(layout, why, steps[heads], key, sequence_spec(layout.shape))
+
         out = []
         for layout, why in layouts(problem.model, traced.devices, traced.batch_size, length):
             if any(layout.shape.get(a, 1) > 1 for a in excluded):
@@ -177,13 +185,7 @@ class Context(Converting):
             whole = _heads_left_whole(problem.model, layout.shape.get(HEADS, 1))
             if heads and whole and not why:
                 why = f"attention of {whole[0]} heads does not split over {HEADS}"
-            step = converted(traced.problem, heads)[0]
-            key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, heads))
-            out.append(Split(layout, why, step, key, sequence_spec(layout.shape)))
+            out.append(split(layout, why, heads))
         # Beside a pipeline: its stage's layers hold the converted attention (inside the
         # pipeline's `shard_map`, nested; its backward pass recomputes the attention).
-        step = converted(traced.problem, None)[0]
-        key = ProblemKey((traced.problem_key.key, AXIS, STRATEGY, None))
-        for layout in _beside_stages(search, length):
-            out.append(Split(layout, "", step, key, sequence_spec(layout.shape)))
-        return out
+        return out + [split(layout, "", None) for layout in _beside_stages(search, length)]
