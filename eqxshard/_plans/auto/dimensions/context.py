@@ -169,7 +169,7 @@ class Context(Converting):
         if not count:
             return []
         excluded = {FAMILIES[n] for n in traced.exclude if n in FAMILIES}
-        steps = {None: problem}  # the problem converted, by the axis the heads split over
+        steps: dict[str | None, Problem] = {None: problem}  # converted, by the heads axis
 
         def split(layout: Layout, why: str, heads: str | None) -> Split:
             if heads not in steps:
